@@ -1,0 +1,583 @@
+//! Rust-owned storage out as DLPack tensors, without copying.
+//!
+//! Everything exported here is a versioned (1.3) managed tensor that always carries strides when
+//! `ndim > 0`, goes through the same validation as a foreign tensor, and frees its owner exactly
+//! once from its deleter, on whatever thread the consumer calls it, without unwinding.
+//!
+//! ```
+//! use dlbridge::{AlignedBuffer, ManagedTensor};
+//! let mut buf = AlignedBuffer::<f64>::zeroed(6);
+//! buf[5] = 2.5;
+//! let t = ManagedTensor::from_host(buf, &[2, 3]).unwrap();
+//! assert_eq!(t.data_ptr() as usize % 256, 0);
+//! assert_eq!(t.as_slice::<f64>().unwrap()[5], 2.5);
+//! ```
+
+use std::alloc::{self, Layout};
+use std::ffi::c_void;
+use std::ops::{Deref, DerefMut};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::device::Device;
+use crate::dtype::{DataType, Element};
+use crate::error::{Error, Result, tuple};
+use crate::ffi::{DLManagedTensor, DLManagedTensorVersioned, DLTensor};
+use crate::flags::{Flags, Version};
+use crate::layout;
+use crate::managed::ManagedTensor;
+
+/// Alignment of the buffers dlbridge allocates itself, as `dlpack.h` asks (jax imports host data
+/// without copying only when it is at least 64-byte aligned).
+pub const ALIGNMENT: usize = 256;
+
+/// Host memory owned by Rust that can back an exported tensor.
+///
+/// # Safety
+///
+/// `as_mut_ptr` returns a pointer, valid for reads (and writes unless `is_read_only`) of
+/// `elem_count` elements, that stays the same when the buffer is moved and stays valid until it
+/// is dropped; nothing else accesses that memory while the buffer is exported.
+pub unsafe trait HostBuffer: Send + 'static {
+    /// The element type.
+    type Elem: Element;
+    /// The first element.
+    fn as_mut_ptr(&mut self) -> *mut Self::Elem;
+    /// The number of elements.
+    fn elem_count(&self) -> usize;
+    /// Whether consumers must not write (shared storage such as `Arc<[T]>`).
+    fn is_read_only(&self) -> bool {
+        false
+    }
+}
+
+// SAFETY: a Vec's heap buffer does not move when the Vec does and lives until it drops.
+unsafe impl<T: Element> HostBuffer for Vec<T> {
+    type Elem = T;
+    fn as_mut_ptr(&mut self) -> *mut T {
+        Vec::as_mut_ptr(self)
+    }
+    fn elem_count(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: as for Vec.
+unsafe impl<T: Element> HostBuffer for Box<[T]> {
+    type Elem = T;
+    fn as_mut_ptr(&mut self) -> *mut T {
+        <[T]>::as_mut_ptr(self)
+    }
+    fn elem_count(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: the Arc's allocation is stable; the tensor is exported read-only because other Arc
+// holders may read it, so the pointer is never written through.
+unsafe impl<T: Element> HostBuffer for Arc<[T]> {
+    type Elem = T;
+    fn as_mut_ptr(&mut self) -> *mut T {
+        <[T]>::as_ptr(self).cast_mut()
+    }
+    fn elem_count(&self) -> usize {
+        self.len()
+    }
+    fn is_read_only(&self) -> bool {
+        true
+    }
+}
+
+/// A heap buffer aligned to [`ALIGNMENT`] (256) bytes: what dlbridge allocates for copies and new
+/// tensors, so every consumer (jax included) can take it without copying.
+pub struct AlignedBuffer<T> {
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuffer owns its memory like a Vec does.
+unsafe impl<T: Send> Send for AlignedBuffer<T> {}
+// SAFETY: as for Vec: shared access only hands out `&[T]`.
+unsafe impl<T: Sync> Sync for AlignedBuffer<T> {}
+
+impl<T: Element> AlignedBuffer<T> {
+    fn layout(len: usize) -> Layout {
+        let size = len.checked_mul(size_of::<T>()).expect("AlignedBuffer: size overflows usize");
+        Layout::from_size_align(size, ALIGNMENT.max(align_of::<T>()))
+            .expect("AlignedBuffer: size overflows isize")
+    }
+
+    /// `len` zeroed elements (all-zero bytes are a valid value of every [`Element`]). Panics if the
+    /// size overflows, and aborts if the allocation fails, like `Vec`.
+    pub fn zeroed(len: usize) -> Self {
+        let layout = Self::layout(len);
+        if layout.size() == 0 {
+            // A non-NULL, suitably aligned address that owns no memory.
+            let ptr = std::ptr::without_provenance_mut::<T>(layout.align());
+            // SAFETY: `layout.align()` is non-zero.
+            return Self { ptr: unsafe { NonNull::new_unchecked(ptr) }, len };
+        }
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw.cast::<T>()).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        Self { ptr, len }
+    }
+
+    /// A copy of `src` in a new aligned buffer.
+    pub fn from_slice(src: &[T]) -> Self {
+        let mut b = Self::zeroed(src.len());
+        b.copy_from_slice(src);
+        b
+    }
+
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<T> Deref for AlignedBuffer<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `len` initialised elements (zeroed on allocation) live at `ptr`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> DerefMut for AlignedBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as for deref, and `&mut self` is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> Drop for AlignedBuffer<T> {
+    fn drop(&mut self) {
+        let size = self.len * size_of::<T>();
+        if size > 0 {
+            let layout = Layout::from_size_align(size, ALIGNMENT.max(align_of::<T>()))
+                .expect("layout was valid when allocated");
+            // SAFETY: allocated in `zeroed` with this very layout.
+            unsafe { alloc::dealloc(self.ptr.as_ptr().cast(), layout) }
+        }
+    }
+}
+
+impl<T: Element + std::fmt::Debug> std::fmt::Debug for AlignedBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+// SAFETY: the allocation is stable across moves and lives until drop.
+unsafe impl<T: Element> HostBuffer for AlignedBuffer<T> {
+    type Elem = T;
+    fn as_mut_ptr(&mut self) -> *mut T {
+        self.ptr.as_ptr()
+    }
+    fn elem_count(&self) -> usize {
+        self.len
+    }
+}
+
+/// How many dims live inside the export allocation before spilling to the heap.
+const INLINE_NDIM: usize = 6;
+
+/// Shape followed by strides, inline for small ndim so an export is one allocation.
+enum Dims {
+    Inline([i64; 2 * INLINE_NDIM]),
+    Heap(Box<[i64]>),
+}
+
+impl Dims {
+    fn new(shape: &[i64], strides: &[i64]) -> Self {
+        let n = shape.len();
+        let mut d = if n <= INLINE_NDIM {
+            Dims::Inline([0; 2 * INLINE_NDIM])
+        } else {
+            Dims::Heap(vec![0; 2 * n].into())
+        };
+        let all = d.as_mut_slice();
+        all[..n].copy_from_slice(shape);
+        all[n..2 * n].copy_from_slice(strides);
+        d
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [i64] {
+        match self {
+            Dims::Inline(a) => a,
+            Dims::Heap(b) => b,
+        }
+    }
+}
+
+/// One export: the managed struct first (so a pointer to it is a pointer to this), then the
+/// dims it points into, then whatever keeps the data alive.
+#[repr(C)]
+struct Exported<H, O> {
+    head: H,
+    dims: Dims,
+    owner: O,
+}
+
+/// Frees an [`Exported`] from its head pointer, swallowing a panic from the owner's drop (a
+/// deleter must never unwind into C).
+///
+/// # Safety
+///
+/// `p` is NULL or came from `Box::into_raw` of an `Exported<H, O>` and is freed once.
+unsafe fn free_exported<H, O>(p: *mut H) {
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: the caller's promise; `head` is the first field of a repr(C) struct.
+    let boxed = unsafe { Box::from_raw(p.cast::<Exported<H, O>>()) };
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(boxed)));
+}
+
+unsafe extern "C" fn delete_versioned<O>(p: *mut DLManagedTensorVersioned) {
+    // SAFETY: this deleter is only installed on structs made by `export_versioned::<O>`.
+    unsafe { free_exported::<DLManagedTensorVersioned, O>(p) }
+}
+
+unsafe extern "C" fn delete_legacy<O>(p: *mut DLManagedTensor) {
+    // SAFETY: this deleter is only installed on structs made by `export_legacy::<O>`.
+    unsafe { free_exported::<DLManagedTensor, O>(p) }
+}
+
+/// The metadata of a tensor about to be exported.
+#[derive(Clone, Copy)]
+pub(crate) struct Parts<'a> {
+    pub data: *mut c_void,
+    pub device: Device,
+    pub dtype: DataType,
+    pub shape: &'a [i64],
+    pub strides: &'a [i64],
+    pub byte_offset: u64,
+}
+
+impl Parts<'_> {
+    fn dl_tensor(&self, dims: &mut Dims) -> DLTensor {
+        let n = self.shape.len();
+        let all = dims.as_mut_slice();
+        let (shape, strides) = if n == 0 {
+            (std::ptr::null_mut(), std::ptr::null_mut())
+        } else {
+            let p = all.as_mut_ptr();
+            // SAFETY: `all` holds at least 2n entries.
+            (p, unsafe { p.add(n) })
+        };
+        DLTensor {
+            data: self.data,
+            device: self.device.to_raw(),
+            ndim: n as i32,
+            dtype: self.dtype.to_raw(),
+            shape,
+            strides,
+            byte_offset: self.byte_offset,
+        }
+    }
+}
+
+/// A new versioned managed tensor owning `owner`; the caller owns the result.
+pub(crate) fn export_versioned<O: Send + 'static>(
+    parts: Parts<'_>,
+    flags: Flags,
+    owner: O,
+) -> NonNull<DLManagedTensorVersioned> {
+    let mut b = Box::new(Exported {
+        head: DLManagedTensorVersioned {
+            version: Version::CURRENT.to_raw(),
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_versioned::<O>),
+            flags: flags.0,
+            dl_tensor: DLTensor { ndim: 0, ..EMPTY },
+        },
+        dims: Dims::new(parts.shape, parts.strides),
+        owner,
+    });
+    b.head.dl_tensor = parts.dl_tensor(&mut b.dims);
+    let p = NonNull::from(Box::leak(b));
+    let head = p.cast::<DLManagedTensorVersioned>();
+    // SAFETY: `head` points into the live allocation just leaked.
+    unsafe { (*head.as_ptr()).manager_ctx = p.as_ptr().cast() };
+    head
+}
+
+/// A new legacy managed tensor owning `owner`; the caller owns the result.
+pub(crate) fn export_legacy<O: Send + 'static>(parts: Parts<'_>, owner: O) -> NonNull<DLManagedTensor> {
+    let mut b = Box::new(Exported {
+        head: DLManagedTensor {
+            dl_tensor: DLTensor { ndim: 0, ..EMPTY },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_legacy::<O>),
+        },
+        dims: Dims::new(parts.shape, parts.strides),
+        owner,
+    });
+    b.head.dl_tensor = parts.dl_tensor(&mut b.dims);
+    let p = NonNull::from(Box::leak(b));
+    let head = p.cast::<DLManagedTensor>();
+    // SAFETY: `head` points into the live allocation just leaked.
+    unsafe { (*head.as_ptr()).manager_ctx = p.as_ptr().cast() };
+    head
+}
+
+const EMPTY: DLTensor = DLTensor {
+    data: std::ptr::null_mut(),
+    device: Device::CPU.to_raw(),
+    ndim: 0,
+    dtype: DataType::UINT8.to_raw(),
+    shape: std::ptr::null_mut(),
+    strides: std::ptr::null_mut(),
+    byte_offset: 0,
+};
+
+fn to_i64(v: &[usize], field: &str) -> Result<Vec<i64>> {
+    v.iter().map(|&x| i64::try_from(x)).collect::<Result<_, _>>().map_err(|_| Error::BufferMismatch {
+        expected: format!("{field} {} within int64", tuple(v)),
+        found: "larger values".into(),
+    })
+}
+
+impl ManagedTensor {
+    /// A C-contiguous CPU tensor over a `Vec`, without copying. `shape`'s product must equal the
+    /// length.
+    pub fn from_vec<T: Element>(v: Vec<T>, shape: &[usize]) -> Result<Self> {
+        Self::from_host(v, shape)
+    }
+
+    /// A C-contiguous CPU tensor over any [`HostBuffer`] (`Vec`, `Box<[T]>`, `Arc<[T]>` read-only,
+    /// [`AlignedBuffer`]), without copying. `shape`'s product must equal the buffer length.
+    pub fn from_host<B: HostBuffer>(buf: B, shape: &[usize]) -> Result<Self> {
+        let shape = to_i64(shape, "shape")?;
+        let numel = layout::element_count(&shape)?;
+        if numel != buf.elem_count() as u64 {
+            return Err(Error::BufferMismatch {
+                expected: format!("{numel} elements for shape {}", tuple(&shape)),
+                found: format!("{} elements", buf.elem_count()),
+            });
+        }
+        let strides = layout::c_strides(&shape);
+        Self::export_host(buf, <B::Elem as Element>::DTYPE, &shape, &strides, 0)
+    }
+
+    /// A CPU tensor over any [`HostBuffer`] with explicit strides (in elements, may be negative or
+    /// zero) and the index of the first element in the buffer, without copying. Every element the
+    /// layout reaches must lie inside the buffer. Zero strides make the tensor read-only (its
+    /// elements overlap).
+    ///
+    /// ```
+    /// use dlbridge::ManagedTensor;
+    /// // A 2x3 row-major buffer seen as its 3x2 transpose, Fortran order...
+    /// let t = ManagedTensor::from_host_strided((0..6).collect::<Vec<i32>>(), &[3, 2], &[1, 3], 0).unwrap();
+    /// assert!(t.is_f_contiguous() && !t.is_c_contiguous());
+    /// assert_eq!(t.to_vec::<i32>().unwrap(), [0, 3, 1, 4, 2, 5]);
+    /// // ...and reversed along its first axis (negative stride, first element at index 2).
+    /// let r = ManagedTensor::from_host_strided((0..6).collect::<Vec<i32>>(), &[3, 2], &[-1, 3], 2).unwrap();
+    /// assert_eq!(r.to_vec::<i32>().unwrap(), [2, 5, 1, 4, 0, 3]);
+    /// ```
+    pub fn from_host_strided<B: HostBuffer>(
+        buf: B,
+        shape: &[usize],
+        strides: &[isize],
+        first: usize,
+    ) -> Result<Self> {
+        let shape = to_i64(shape, "shape")?;
+        let strides: Vec<i64> = strides.iter().map(|&s| s as i64).collect();
+        let size = size_of::<B::Elem>() as u64;
+        let first = (first as u64).checked_mul(size).ok_or_else(|| Error::BufferMismatch {
+            expected: format!("first element {first}"),
+            found: format!("{} elements", buf.elem_count()),
+        })?;
+        Self::export_host(buf, <B::Elem as Element>::DTYPE, &shape, &strides, first)
+    }
+
+    /// A CPU tensor of any dtype (including those with no Rust type: float8, packed float4, ...)
+    /// over the bytes of a [`HostBuffer`], with `strides` in elements (`None`: C order) and the
+    /// first element `byte_offset` bytes into the buffer. The layout must stay inside the buffer.
+    ///
+    /// ```
+    /// use dlbridge::{AlignedBuffer, DataType, ManagedTensor};
+    /// let t = ManagedTensor::from_host_bytes(AlignedBuffer::<u8>::zeroed(8), DataType::FLOAT8_E4M3FN, &[2, 4], None, 0).unwrap();
+    /// assert_eq!((t.dtype().to_string(), t.nbytes()), ("float8_e4m3fn".to_string(), 8));
+    /// ```
+    pub fn from_host_bytes<B: HostBuffer>(
+        buf: B,
+        dtype: DataType,
+        shape: &[usize],
+        strides: Option<&[isize]>,
+        byte_offset: usize,
+    ) -> Result<Self> {
+        dtype.validate()?;
+        let shape = to_i64(shape, "shape")?;
+        let strides = match strides {
+            Some(s) => s.iter().map(|&s| s as i64).collect(),
+            None => layout::c_strides(&shape),
+        };
+        Self::export_host(buf, dtype, &shape, &strides, byte_offset as u64)
+    }
+
+    /// Checks that `shape`/`strides` starting `first_byte` bytes into `buf` stay inside it, then
+    /// exports. Data pointer = first element, byte_offset 0 (old consumers ignored byte_offset).
+    fn export_host<B: HostBuffer>(
+        mut buf: B,
+        dtype: DataType,
+        shape: &[i64],
+        strides: &[i64],
+        first_byte: u64,
+    ) -> Result<Self> {
+        if shape.len() != strides.len() {
+            return Err(Error::BufferMismatch {
+                expected: format!("{} strides for shape {}", shape.len(), tuple(shape)),
+                found: format!("strides {}", tuple(strides)),
+            });
+        }
+        let buf_bytes = (buf.elem_count() as u64) * size_of::<B::Elem>() as u64;
+        let numel = layout::element_count(shape)?;
+        let within = if numel == 0 {
+            first_byte <= buf_bytes
+        } else {
+            let (lo, hi) = layout::byte_span(shape, strides, dtype.storage_bits(false))?;
+            let lo = first_byte as i128 + lo as i128;
+            let hi = first_byte as i128 + hi as i128;
+            lo >= 0 && hi <= buf_bytes as i128
+        };
+        if !within {
+            return Err(Error::BufferMismatch {
+                expected: format!(
+                    "shape {} strides {} from byte {first_byte} of {dtype}",
+                    tuple(shape),
+                    tuple(strides)
+                ),
+                found: format!("{buf_bytes} bytes"),
+            });
+        }
+        let overlapping = numel > 1 && shape.iter().zip(strides).any(|(&d, &s)| d > 1 && s == 0);
+        let flags = Flags::NONE.with(Flags::READ_ONLY, buf.is_read_only() || overlapping);
+        let data = buf.as_mut_ptr().cast::<u8>().wrapping_add(first_byte as usize).cast::<c_void>();
+        let parts = Parts { data, device: Device::CPU, dtype, shape, strides, byte_offset: 0 };
+        let raw = export_versioned(parts, flags, buf);
+        // SAFETY: a versioned struct just made, owned here, with shape/strides inside it.
+        unsafe { Self::from_raw_versioned(raw.as_ptr()) }
+    }
+
+    /// A tensor over memory anywhere (device memory, a foreign allocation), kept alive by `owner`,
+    /// which is dropped exactly once when the last consumer releases the tensor. `strides` `None`
+    /// means C order. The metadata is validated like any foreign tensor's; on refusal `owner` is
+    /// dropped.
+    ///
+    /// ```
+    /// use dlbridge::{DataType, Device, Flags, ManagedTensor};
+    /// // A pretend CUDA allocation: the address is recorded, never dereferenced.
+    /// struct CudaAlloc(usize);
+    /// let t = unsafe {
+    ///     ManagedTensor::from_raw_parts(0x7f00_0000_0000 as *mut _, Device::cuda(1), DataType::FLOAT16,
+    ///         &[4, 4], None, 0, Flags::NONE, CudaAlloc(0x7f00_0000_0000))
+    /// }.unwrap();
+    /// assert_eq!(t.device().to_string(), "cuda:1");
+    /// assert!(t.as_slice::<half::f16>().is_err());
+    /// ```
+    ///
+    /// # Safety
+    ///
+    /// `data + byte_offset` is the first element of memory on `device` that `owner` keeps valid
+    /// for every element the layout reaches, and (unless `flags` says read-only) writable by
+    /// consumers; for host devices, nothing else accesses it in ways that conflict with that.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn from_raw_parts<O: Send + 'static>(
+        data: *mut c_void,
+        device: Device,
+        dtype: DataType,
+        shape: &[i64],
+        strides: Option<&[i64]>,
+        byte_offset: u64,
+        flags: Flags,
+        owner: O,
+    ) -> Result<Self> {
+        let c;
+        let strides = match strides {
+            Some(s) => s,
+            None => {
+                c = layout::c_strides(shape);
+                &c
+            }
+        };
+        if shape.len() != strides.len() || shape.len() > crate::MAX_NDIM {
+            drop(owner);
+            return Err(Error::InvalidNdim {
+                ndim: shape.len().max(strides.len()) as i64,
+                max: crate::MAX_NDIM,
+            });
+        }
+        let parts = Parts { data, device, dtype, shape, strides, byte_offset };
+        let raw = export_versioned(parts, flags, owner);
+        // SAFETY: a versioned struct just made and owned here; validation frees it on refusal.
+        unsafe { Self::from_raw_versioned(raw.as_ptr()) }
+    }
+
+    fn parts(&self) -> Parts<'_> {
+        let t = self.dl_tensor();
+        Parts {
+            data: t.data,
+            device: self.device(),
+            dtype: self.dtype(),
+            shape: self.shape(),
+            strides: self.strides(),
+            byte_offset: t.byte_offset,
+        }
+    }
+
+    /// A new versioned managed tensor that shares this tensor's data and keeps it alive (a clone
+    /// of the `Arc`), with this tensor's flags. Each call gives a new struct; the caller owns it
+    /// and must call its deleter exactly once (a consumer does, or wrap it back with
+    /// [`ManagedTensor::from_raw_versioned`]).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlbridge::ManagedTensor;
+    /// let t = Arc::new(ManagedTensor::from_vec(vec![1u8, 2, 3], &[3]).unwrap());
+    /// let again = unsafe { ManagedTensor::from_raw_versioned(t.export_versioned().as_ptr()) }.unwrap();
+    /// assert_eq!(again.data_ptr(), t.data_ptr());
+    /// ```
+    pub fn export_versioned(self: &Arc<Self>) -> NonNull<DLManagedTensorVersioned> {
+        export_versioned(self.parts(), self.flags(), Arc::clone(self))
+    }
+
+    /// A new legacy managed tensor sharing this tensor's data; see
+    /// [`ManagedTensor::export_versioned`]. A legacy struct cannot carry flags: a caller exporting a
+    /// read-only tensor this way must decide whether that is acceptable (the Python layer refuses).
+    pub fn export_legacy(self: &Arc<Self>) -> NonNull<DLManagedTensor> {
+        export_legacy(self.parts(), Arc::clone(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_buffers_are_256_byte_aligned_even_when_empty() {
+        for len in [0usize, 1, 7, 1000] {
+            let b = AlignedBuffer::<u16>::zeroed(len);
+            assert_eq!(b.as_ptr() as usize % ALIGNMENT, 0, "len {len}");
+            assert!(b.iter().all(|&x| x == 0));
+            assert_eq!(b.len(), len);
+        }
+        assert_eq!(&*AlignedBuffer::from_slice(&[1.5f32, 2.5]), &[1.5, 2.5]);
+    }
+
+    #[test]
+    fn many_dims_spill_to_the_heap() {
+        let shape = vec![1usize; 10];
+        let t = ManagedTensor::from_vec(vec![7i64], &shape).unwrap();
+        assert_eq!(t.ndim(), 10);
+        assert_eq!(t.strides(), &[1; 10]);
+    }
+}

@@ -1,0 +1,387 @@
+//! [`ManagedTensor`]: the owning handle through which every foreign tensor enters dlbridge.
+//!
+//! A raw `DLManagedTensor` or `DLManagedTensorVersioned` pointer becomes a `ManagedTensor` only
+//! after every field has been checked; afterwards every accessor is safe. The producer's deleter
+//! runs exactly once: when the handle is dropped, or at once when validation refuses the tensor
+//! (including a versioned tensor of a major version this crate cannot read, whose deleter sits at
+//! a position every major version keeps).
+
+use std::ffi::c_void;
+use std::fmt;
+use std::ptr::NonNull;
+
+use crate::device::Device;
+use crate::dtype::DataType;
+use crate::error::{Error, Result, tuple};
+use crate::ffi::{DLManagedTensor, DLManagedTensorVersioned, DLTensor};
+use crate::flags::{Flags, Version};
+use crate::layout;
+
+/// The largest `ndim` a tensor may have (numpy's limit; DLPack itself sets none).
+pub const MAX_NDIM: usize = 64;
+
+/// Which managed struct a [`ManagedTensor`] owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Raw {
+    Legacy(NonNull<DLManagedTensor>),
+    Versioned(NonNull<DLManagedTensorVersioned>),
+}
+
+impl Raw {
+    /// Calls the producer's deleter, if any.
+    ///
+    /// # Safety
+    ///
+    /// The pointer must be a live managed tensor this code owns; it is dead afterwards.
+    unsafe fn delete(self) {
+        match self {
+            Raw::Legacy(p) => {
+                // SAFETY: the caller owns the live struct; the deleter field is read before the
+                // call frees it.
+                if let Some(d) = unsafe { (*p.as_ptr()).deleter } {
+                    // SAFETY: called once, with the pointer the producer handed out.
+                    unsafe { d(p.as_ptr()) }
+                }
+            }
+            Raw::Versioned(p) => {
+                // SAFETY: as above; `deleter` is in the prefix every major version keeps.
+                if let Some(d) = unsafe { (*p.as_ptr()).deleter } {
+                    // SAFETY: called once, with the pointer the producer handed out.
+                    unsafe { d(p.as_ptr()) }
+                }
+            }
+        }
+    }
+}
+
+/// An owned, validated DLPack tensor (legacy or versioned), whose producer's deleter runs exactly
+/// once, on drop.
+///
+/// It is made from a raw pointer ([`ManagedTensor::from_raw_versioned`],
+/// [`ManagedTensor::from_raw_legacy`]), from Rust storage ([`ManagedTensor::from_vec`] and the
+/// other constructors of the export module), or by the Python layer. All accessors are safe: the
+/// fields were validated on entry.
+///
+/// ```
+/// use dlbridge::{DataType, Device, ManagedTensor};
+/// let t = ManagedTensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+/// assert_eq!(t.shape(), &[2, 3]);
+/// assert_eq!(t.strides(), &[3, 1]);
+/// assert_eq!((t.dtype(), t.device()), (DataType::FLOAT32, Device::CPU));
+/// assert_eq!(t.as_slice::<f32>().unwrap()[4], 5.0);
+/// ```
+pub struct ManagedTensor {
+    raw: Raw,
+    /// Compact row-major strides materialised for producers that sent NULL strides.
+    own_strides: Option<Box<[i64]>>,
+    /// The flags in force for this handle (for legacy tensors, what this side decided).
+    flags: Flags,
+    numel: u64,
+}
+
+// SAFETY: a ManagedTensor owns its struct exclusively; the metadata it reads is immutable after
+// validation, and DLPack deleters may be called from any thread (the Python layer's deleters take
+// the GIL themselves). Writes through the data pointer need `&mut self` or `unsafe`.
+unsafe impl Send for ManagedTensor {}
+// SAFETY: `&self` methods only read immutable metadata and hand out shared slices.
+unsafe impl Sync for ManagedTensor {}
+
+impl ManagedTensor {
+    /// Takes ownership of a versioned managed tensor after validating it.
+    ///
+    /// On any refusal the producer's deleter has been called (exactly once) before the error is
+    /// returned; a NULL pointer is refused with [`Error::NullTensor`] and nothing to delete.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is NULL or points to a live `DLManagedTensorVersioned` (of any major version) whose
+    /// ownership passes to this call. If its major version is 1, its `shape` and `strides`
+    /// pointers are NULL or point to `ndim` readable `i64`s while the tensor lives.
+    pub unsafe fn from_raw_versioned(ptr: *mut DLManagedTensorVersioned) -> Result<Self> {
+        let p = NonNull::new(ptr).ok_or(Error::NullTensor)?;
+        let raw = Raw::Versioned(p);
+        // SAFETY: the caller promises a live struct; `version` is in the frozen prefix.
+        let (version, flags) = unsafe { ((*ptr).version, (*ptr).flags) };
+        let checked = if version.major == 1 {
+            // SAFETY: a major-1 struct has the 1.x layout, so `dl_tensor` is where we read it.
+            unsafe { Self::validate(raw, &(*ptr).dl_tensor, Flags(flags)) }
+        } else {
+            Err(Error::UnsupportedVersion { major: version.major, minor: version.minor })
+        };
+        checked.inspect_err(|_| {
+            // SAFETY: we own the struct and refuse it, so we delete it, once.
+            unsafe { raw.delete() }
+        })
+    }
+
+    /// Takes ownership of a legacy (pre-1.0) managed tensor after validating it. Its flags start
+    /// empty: a legacy tensor cannot say whether it is read-only (see
+    /// [`ManagedTensor::into_read_only`]).
+    ///
+    /// On any refusal the producer's deleter has been called (exactly once).
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is NULL or points to a live `DLManagedTensor` whose ownership passes to this call,
+    /// and whose `shape` and `strides` pointers are NULL or point to `ndim` readable `i64`s while
+    /// the tensor lives.
+    pub unsafe fn from_raw_legacy(ptr: *mut DLManagedTensor) -> Result<Self> {
+        let p = NonNull::new(ptr).ok_or(Error::NullTensor)?;
+        let raw = Raw::Legacy(p);
+        // SAFETY: the caller promises a live legacy struct.
+        unsafe { Self::validate(raw, &(*ptr).dl_tensor, Flags::NONE) }.inspect_err(|_| {
+            // SAFETY: we own the struct and refuse it, so we delete it, once.
+            unsafe { raw.delete() }
+        })
+    }
+
+    /// Checks every field of `t`; the caller deletes `raw` on error.
+    ///
+    /// # Safety
+    ///
+    /// `t` belongs to `raw`, and its shape/strides pointers are NULL or point to `ndim` `i64`s.
+    unsafe fn validate(raw: Raw, t: &DLTensor, flags: Flags) -> Result<Self> {
+        let ndim = usize::try_from(t.ndim)
+            .ok()
+            .filter(|&n| n <= MAX_NDIM)
+            .ok_or(Error::InvalidNdim { ndim: i64::from(t.ndim), max: MAX_NDIM })?;
+        if ndim > 0 && t.shape.is_null() {
+            return Err(Error::NullShape { ndim: t.ndim });
+        }
+        for (field, p) in [("shape", t.shape), ("strides", t.strides)] {
+            if ndim > 0 && !p.is_aligned() {
+                return Err(Error::MisalignedPointer { field, address: p as usize });
+            }
+        }
+        let dtype = DataType::from(t.dtype);
+        dtype.validate()?;
+        if !t.device.device_type.is_known() {
+            return Err(Error::UnknownDeviceType { device_type: t.device.device_type.0 });
+        }
+        // SAFETY: non-NULL when ndim > 0 (checked) and `ndim` entries long (caller's promise).
+        let shape = unsafe { dims(t.shape, ndim) };
+        let numel = layout::element_count(shape)?;
+        let own_strides = if ndim > 0 && t.strides.is_null() {
+            Some(layout::c_strides(shape).into_boxed_slice())
+        } else {
+            None
+        };
+        let strides = match &own_strides {
+            Some(s) => s,
+            // SAFETY: as for shape.
+            None => unsafe { dims(t.strides, ndim) },
+        };
+        let data = t.data as usize;
+        let start = usize::try_from(t.byte_offset)
+            .ok()
+            .and_then(|off| data.checked_add(off))
+            .ok_or(Error::ByteOffsetOverflow { data, byte_offset: t.byte_offset })?;
+        if numel > 0 {
+            if t.data.is_null() {
+                return Err(Error::NullData { numel });
+            }
+            let bits = dtype.storage_bits(flags.is_subbyte_padded());
+            let (lo, hi) = layout::byte_span(shape, strides, bits)?;
+            let in_space = start.checked_add_signed(lo).is_some() && start.checked_add_signed(hi).is_some();
+            if !in_space {
+                return Err(Error::SpanOverflow { shape: shape.to_vec(), strides: strides.to_vec() });
+            }
+        }
+        Ok(Self { raw, own_strides, flags, numel })
+    }
+
+    /// The plain tensor description.
+    pub fn dl_tensor(&self) -> &DLTensor {
+        // SAFETY: the struct is live and owned by self until drop.
+        unsafe {
+            match self.raw {
+                Raw::Legacy(p) => &(*p.as_ptr()).dl_tensor,
+                Raw::Versioned(p) => &(*p.as_ptr()).dl_tensor,
+            }
+        }
+    }
+
+    /// Number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.dl_tensor().ndim as usize
+    }
+
+    /// The extents.
+    pub fn shape(&self) -> &[i64] {
+        let t = self.dl_tensor();
+        // SAFETY: validated on entry: `ndim` entries, non-NULL when ndim > 0.
+        unsafe { dims(t.shape, t.ndim as usize) }
+    }
+
+    /// The strides, in elements; materialised as compact row-major when the producer sent NULL.
+    pub fn strides(&self) -> &[i64] {
+        if let Some(s) = &self.own_strides {
+            return s;
+        }
+        let t = self.dl_tensor();
+        // SAFETY: validated on entry: `ndim` entries, non-NULL when ndim > 0 (else own_strides).
+        unsafe { dims(t.strides, t.ndim as usize) }
+    }
+
+    /// Whether the producer sent NULL strides (compact row-major, allowed before DLPack 1.2).
+    pub fn had_null_strides(&self) -> bool {
+        self.own_strides.is_some()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DataType {
+        DataType::from(self.dl_tensor().dtype)
+    }
+
+    /// The device.
+    pub fn device(&self) -> Device {
+        Device::from(self.dl_tensor().device)
+    }
+
+    /// The flags in force: the producer's for versioned tensors, plus read-only if this side set
+    /// it with [`ManagedTensor::into_read_only`].
+    pub fn flags(&self) -> Flags {
+        self.flags
+    }
+
+    /// Whether writing through the data is forbidden.
+    pub fn is_read_only(&self) -> bool {
+        self.flags.is_read_only()
+    }
+
+    /// The producer's ABI version, `None` for a legacy tensor.
+    pub fn version(&self) -> Option<Version> {
+        match self.raw {
+            Raw::Legacy(_) => None,
+            // SAFETY: the struct is live.
+            Raw::Versioned(p) => Some(Version::from(unsafe { (*p.as_ptr()).version })),
+        }
+    }
+
+    /// Whether this handle owns a versioned (1.x) struct.
+    pub fn is_versioned(&self) -> bool {
+        matches!(self.raw, Raw::Versioned(_))
+    }
+
+    /// The byte offset the producer put between `data` and the first element.
+    pub fn byte_offset(&self) -> u64 {
+        self.dl_tensor().byte_offset
+    }
+
+    /// The address of the first element: `data + byte_offset`. For non-host devices this is a
+    /// device address (or handle) and must not be dereferenced on the CPU.
+    pub fn data_ptr(&self) -> *mut c_void {
+        let t = self.dl_tensor();
+        // Validated not to overflow; wrapping_add because the pointer may not be a Rust allocation.
+        t.data.cast::<u8>().wrapping_add(t.byte_offset as usize).cast()
+    }
+
+    /// The number of elements.
+    pub fn numel(&self) -> usize {
+        self.numel as usize
+    }
+
+    /// Bytes the elements take when compact (packed sub-byte types share bytes).
+    pub fn nbytes(&self) -> usize {
+        let bits = self.dtype().storage_bits(self.flags.is_subbyte_padded());
+        // Cannot overflow: the span check on entry covered numel elements of this width.
+        layout::compact_byte_size(self.numel, bits).unwrap_or(u64::MAX) as usize
+    }
+
+    /// Whether the elements are compact in row-major order.
+    pub fn is_c_contiguous(&self) -> bool {
+        layout::is_c_contiguous(self.shape(), self.strides())
+    }
+
+    /// Whether the elements are compact in column-major order.
+    pub fn is_f_contiguous(&self) -> bool {
+        layout::is_f_contiguous(self.shape(), self.strides())
+    }
+
+    /// This tensor, marked read-only (for a legacy tensor whose writability is unknown, or to hand
+    /// out a view that must not be written). There is no way back: nothing can make a read-only
+    /// tensor writable.
+    pub fn into_read_only(mut self) -> Self {
+        self.flags |= Flags::READ_ONLY;
+        self
+    }
+
+    /// Gives up ownership without calling the deleter, returning the raw pointer. The caller
+    /// becomes responsible for calling the deleter exactly once. For a versioned tensor, flags
+    /// set on this side (read-only) are written into the struct first.
+    pub fn into_raw(mut self) -> RawManagedTensor {
+        // Strides materialised on this side are only a cache: the struct still says NULL.
+        drop(self.own_strides.take());
+        let out = match self.raw {
+            Raw::Legacy(p) => RawManagedTensor::Legacy(p.as_ptr()),
+            Raw::Versioned(p) => {
+                // SAFETY: we own the live struct until this very moment.
+                unsafe { (*p.as_ptr()).flags = self.flags.0 };
+                RawManagedTensor::Versioned(p.as_ptr())
+            }
+        };
+        std::mem::forget(self);
+        out
+    }
+
+    /// A description for error messages: `float64 shape (3, 4) strides (1, 3) on cuda:0`.
+    pub fn describe(&self) -> String {
+        let ro = if self.is_read_only() { " (read-only)" } else { "" };
+        format!(
+            "{} shape {} strides {} on {}{ro}",
+            self.dtype(),
+            tuple(self.shape()),
+            tuple(self.strides()),
+            self.device()
+        )
+    }
+
+    /// Whether the CPU may read this tensor's memory.
+    pub fn is_host_accessible(&self) -> bool {
+        self.device().device_type().is_host_accessible()
+    }
+}
+
+impl Drop for ManagedTensor {
+    fn drop(&mut self) {
+        // SAFETY: we own the live struct; drop runs once.
+        unsafe { self.raw.delete() }
+    }
+}
+
+impl fmt::Debug for ManagedTensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ManagedTensor")
+            .field("dtype", &self.dtype())
+            .field("shape", &self.shape())
+            .field("strides", &self.strides())
+            .field("device", &self.device())
+            .field("data_ptr", &self.data_ptr())
+            .field("flags", &self.flags)
+            .field("version", &self.version())
+            .finish()
+    }
+}
+
+/// A raw managed-tensor pointer given up by [`ManagedTensor::into_raw`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RawManagedTensor {
+    /// A legacy `DLManagedTensor` (for `"dltensor"` capsules).
+    Legacy(*mut DLManagedTensor),
+    /// A `DLManagedTensorVersioned` (for `"dltensor_versioned"` capsules).
+    Versioned(*mut DLManagedTensorVersioned),
+}
+
+/// `ndim` entries at `p`, or an empty slice when `ndim == 0` (where `p` may be NULL).
+///
+/// # Safety
+///
+/// When `ndim > 0`, `p` is non-NULL, aligned and points to `ndim` `i64`s that outlive the result.
+unsafe fn dims<'a>(p: *const i64, ndim: usize) -> &'a [i64] {
+    if ndim == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's promise.
+        unsafe { std::slice::from_raw_parts(p, ndim) }
+    }
+}

@@ -1,0 +1,121 @@
+//! `ndarray` bridge (feature `ndarray`): views over a [`ManagedTensor`] with any strides, and
+//! export of owned `ndarray` arrays without copying.
+//!
+//! Views keep the tensor's own layout: Fortran order, broadcast (zero) strides on read-only
+//! views, and negative strides all map directly onto ndarray strides (no axis reversal is imposed
+//! on the caller).
+//!
+//! ```
+//! use dlbridge::ManagedTensor;
+//! use ndarray::{array, s};
+//! let a = array![[1.0f32, 2.0, 3.0], [4.0, 5.0, 6.0]];
+//! let flipped = a.slice_move(s![.., ..;-1]);
+//! let t = ManagedTensor::from_ndarray(flipped).unwrap();
+//! assert_eq!(t.strides(), &[3, -1]);
+//! let v = t.as_array::<f32>().unwrap();
+//! assert_eq!(v, array![[3.0f32, 2.0, 1.0], [6.0, 5.0, 4.0]].into_dyn());
+//! ```
+
+use std::ptr::NonNull;
+
+use ndarray::{Array, ArrayViewD, ArrayViewMutD, Axis, Dimension, IxDyn, ShapeBuilder};
+
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::managed::ManagedTensor;
+
+/// The pieces ndarray needs: the lowest-address element, shape and absolute strides, plus the
+/// axes whose stride was negative (to invert after building the view).
+struct Raw<T> {
+    low: NonNull<T>,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    negative: Vec<usize>,
+}
+
+impl ManagedTensor {
+    fn ndarray_raw<T: Element>(&self, write: bool) -> Result<Raw<T>> {
+        let shape: Vec<usize> = self.shape().iter().map(|&d| d as usize).collect();
+        let need = |what: &str| Error::Incompatible {
+            expected: format!("{}{} host tensor{what}", T::DTYPE, if write { " writable" } else { "" }),
+            found: self.describe(),
+        };
+        if !self.is_host_of(T::DTYPE) || (write && self.is_read_only()) {
+            return Err(need(""));
+        }
+        if self.numel() == 0 {
+            let zeros = vec![0; shape.len()];
+            return Ok(Raw { low: NonNull::dangling(), shape, strides: zeros, negative: vec![] });
+        }
+        let first = self.data_ptr().cast::<T>();
+        if !first.is_aligned() {
+            return Err(need(" with aligned data"));
+        }
+        let overlapping = self.shape().iter().zip(self.strides()).any(|(&d, &s)| d > 1 && s == 0);
+        if write && overlapping {
+            return Err(need(" without zero strides (a mutable view may not alias)"));
+        }
+        let (lo, _) = crate::layout::element_span(self.shape(), self.strides())?;
+        let negative = (0..shape.len()).filter(|&ax| self.strides()[ax] < 0 && shape[ax] > 1).collect();
+        let strides = self
+            .strides()
+            .iter()
+            .zip(&shape)
+            .map(|(&s, &d)| if d > 1 { s.unsigned_abs() as usize } else { 0 })
+            .collect();
+        // SAFETY: `lo` is the lowest element offset of the validated span, inside the allocation.
+        let low = unsafe { first.offset(lo as isize) };
+        if !T::ALL_BIT_PATTERNS_VALID {
+            for off in self.offsets() {
+                // SAFETY: each offset addresses a whole element inside the validated span.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(first.offset(off as isize).cast::<u8>(), size_of::<T>())
+                };
+                if !T::is_valid_bytes(bytes) {
+                    return Err(need(" of valid values"));
+                }
+            }
+        }
+        // SAFETY: non-NULL: numel > 0 so validation required non-NULL data.
+        Ok(Raw { low: unsafe { NonNull::new_unchecked(low) }, shape, strides, negative })
+    }
+
+    /// A read-only `ndarray` view of a host tensor of dtype `T`, with the tensor's strides
+    /// (negative and zero included).
+    pub fn as_array<T: Element>(&self) -> Result<ArrayViewD<'_, T>> {
+        let r = self.ndarray_raw::<T>(false)?;
+        // SAFETY: host memory of dtype T, aligned, every reachable element inside the validated
+        // span, strides non-negative from the lowest address; kept alive by `&self`.
+        let mut v =
+            unsafe { ArrayViewD::from_shape_ptr(IxDyn(&r.shape).strides(IxDyn(&r.strides)), r.low.as_ptr()) };
+        for ax in r.negative {
+            v.invert_axis(Axis(ax));
+        }
+        Ok(v)
+    }
+
+    /// A mutable `ndarray` view; refused for read-only tensors and for zero strides (a mutable view
+    /// may not alias).
+    pub fn as_array_mut<T: Element>(&mut self) -> Result<ArrayViewMutD<'_, T>> {
+        let r = self.ndarray_raw::<T>(true)?;
+        // SAFETY: as in as_array; `&mut self` is exclusive, the tensor is writable and no two
+        // indices reach the same element (no zero strides on axes longer than one, and the layout
+        // passed validation).
+        let mut v = unsafe {
+            ArrayViewMutD::from_shape_ptr(IxDyn(&r.shape).strides(IxDyn(&r.strides)), r.low.as_ptr())
+        };
+        for ax in r.negative {
+            v.invert_axis(Axis(ax));
+        }
+        Ok(v)
+    }
+
+    /// Exports an owned `ndarray` array without copying: C or Fortran order, any strides
+    /// (negative ones included), and a start offset inside its buffer.
+    pub fn from_ndarray<T: Element, D: Dimension>(a: Array<T, D>) -> Result<Self> {
+        let shape = a.shape().to_vec();
+        let strides = a.strides().to_vec();
+        let (vec, offset) = a.into_raw_vec_and_offset();
+        ManagedTensor::from_host_strided(vec, &shape, &strides, offset.unwrap_or(0))
+    }
+}

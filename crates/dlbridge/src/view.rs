@@ -1,0 +1,195 @@
+//! Borrowed, typed access to a [`ManagedTensor`]'s elements: slices of compact host tensors,
+//! strided element reads, and copies into compact aligned buffers.
+//!
+//! The memory is shared with the producer. dlbridge guarantees the layout, type, alignment and
+//! device are what a slice needs, and that read-only tensors are never handed out mutably; it
+//! cannot stop another library that still holds the same memory from writing to it while a slice
+//! is alive, so code that shares a writable tensor must not write from both sides at once.
+//!
+//! ```
+//! use dlbridge::ManagedTensor;
+//! let mut t = ManagedTensor::from_vec(vec![1i32, 2, 3, 4], &[2, 2]).unwrap();
+//! t.as_slice_mut::<i32>().unwrap()[0] = 10;
+//! assert_eq!(t.get::<i32>(&[0, 0]).unwrap(), 10);
+//! let err = t.as_slice::<f32>().unwrap_err().to_string();
+//! assert_eq!(err, "expected float32 C-contiguous host tensor, got int32 shape (2, 2) strides (2, 1) on cpu");
+//! ```
+
+use crate::dtype::{DataType, Element};
+use crate::error::{Error, Result, tuple};
+use crate::export::AlignedBuffer;
+use crate::managed::ManagedTensor;
+
+impl ManagedTensor {
+    fn refuse(&self, expected: String) -> Error {
+        Error::Incompatible { expected, found: self.describe() }
+    }
+
+    /// Checks what a typed view needs: host memory, dtype `T`, C order (if `contiguous`),
+    /// writability (if `write`), alignment, and valid bytes for `T`.
+    fn check_typed<T: Element>(&self, contiguous: bool, write: bool) -> Result<()> {
+        let need = || {
+            format!(
+                "{}{}{} host tensor",
+                T::DTYPE,
+                if contiguous { " C-contiguous" } else { "" },
+                if write { " writable" } else { "" }
+            )
+        };
+        let ok = self.is_host_accessible()
+            && self.dtype() == T::DTYPE
+            && (!contiguous || self.is_c_contiguous())
+            && !(write && self.is_read_only());
+        if !ok {
+            return Err(self.refuse(need()));
+        }
+        if self.numel() > 0 && !self.data_ptr().cast::<T>().is_aligned() {
+            return Err(Error::Incompatible {
+                expected: format!("{} aligned to {} bytes", need(), align_of::<T>()),
+                found: format!("data at {:p}", self.data_ptr()),
+            });
+        }
+        Ok(())
+    }
+
+    /// The elements as a slice, in row-major order, when the tensor is a C-contiguous host tensor
+    /// of dtype `T` with aligned data. For `bool`, every byte is checked to be 0 or 1.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.check_typed::<T>(true, false)?;
+        if self.numel() == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: host memory, compact, aligned, of dtype T, numel elements, validated span;
+        // kept alive by self for the borrow.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(self.data_ptr().cast::<u8>(), self.numel() * size_of::<T>())
+        };
+        if !T::ALL_BIT_PATTERNS_VALID && !T::is_valid_bytes(bytes) {
+            return Err(self.refuse(format!("{} values only", T::DTYPE)));
+        }
+        // SAFETY: as above, and the bytes are valid values of T.
+        Ok(unsafe { std::slice::from_raw_parts(self.data_ptr().cast::<T>(), self.numel()) })
+    }
+
+    /// The elements as a mutable slice; as [`ManagedTensor::as_slice`], and refused for read-only
+    /// tensors.
+    pub fn as_slice_mut<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.check_typed::<T>(true, true)?;
+        if self.numel() == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in as_slice; `&mut self` makes this the only view dlbridge hands out, and the
+        // producer did not mark the memory read-only.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(self.data_ptr().cast::<u8>(), self.numel() * size_of::<T>())
+        };
+        if !T::ALL_BIT_PATTERNS_VALID && !T::is_valid_bytes(bytes) {
+            return Err(self.refuse(format!("{} values only", T::DTYPE)));
+        }
+        // SAFETY: as above.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.data_ptr().cast::<T>(), self.numel()) })
+    }
+
+    /// Element offsets (in elements, from the first element) in row-major index order.
+    pub(crate) fn offsets(&self) -> impl Iterator<Item = i64> + '_ {
+        let shape = self.shape();
+        let strides = self.strides();
+        let n = self.numel();
+        let mut index = vec![0i64; shape.len()];
+        let mut off = 0i64;
+        (0..n).map(move |k| {
+            if k > 0 {
+                // Advance the multi-index like an odometer, updating the offset incrementally.
+                for ax in (0..shape.len()).rev() {
+                    index[ax] += 1;
+                    off += strides[ax];
+                    if index[ax] < shape[ax] {
+                        break;
+                    }
+                    off -= strides[ax] * shape[ax];
+                    index[ax] = 0;
+                }
+            }
+            off
+        })
+    }
+
+    /// The element at `index` of a host tensor of dtype `T`, with any strides.
+    pub fn get<T: Element>(&self, index: &[usize]) -> Result<T> {
+        self.check_typed::<T>(false, false)?;
+        let shape = self.shape();
+        if index.len() != shape.len() || index.iter().zip(shape).any(|(&i, &d)| i as u64 >= d as u64) {
+            return Err(Error::Incompatible {
+                expected: format!("an index within shape {}", tuple(shape)),
+                found: format!("index {}", tuple(index)),
+            });
+        }
+        let off: i64 = index.iter().zip(self.strides()).map(|(&i, &s)| i as i64 * s).sum();
+        self.read_at::<T>(off)
+    }
+
+    fn read_at<T: Element>(&self, off: i64) -> Result<T> {
+        // SAFETY: `off` is the offset of an element inside the validated span of host memory.
+        let p = unsafe { self.data_ptr().cast::<T>().offset(off as isize) };
+        // SAFETY: as above; reading the bytes first to check them keeps bool sound.
+        let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), size_of::<T>()) };
+        if !T::ALL_BIT_PATTERNS_VALID && !T::is_valid_bytes(bytes) {
+            return Err(self.refuse(format!("{} values only", T::DTYPE)));
+        }
+        // SAFETY: valid, aligned element of type T.
+        Ok(unsafe { p.read() })
+    }
+
+    /// Every element in row-major index order, copied into a `Vec`, whatever the strides
+    /// (negative, zero, Fortran order).
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if let Ok(s) = self.as_slice::<T>() {
+            return Ok(s.to_vec());
+        }
+        self.check_typed::<T>(false, false)?;
+        self.offsets().map(|off| self.read_at::<T>(off)).collect()
+    }
+
+    /// A C-contiguous copy of a host tensor of any whole-byte dtype, in a new 256-byte-aligned
+    /// buffer, as a new writable tensor (flag IS_COPIED is left to the caller who hands it out).
+    ///
+    /// ```
+    /// use dlbridge::ManagedTensor;
+    /// let f = ManagedTensor::from_host_strided(vec![1u16, 2, 3, 4], &[2, 2], &[1, 2], 0).unwrap();
+    /// let c = f.to_contiguous().unwrap();
+    /// assert!(c.is_c_contiguous());
+    /// assert_eq!(c.as_slice::<u16>().unwrap(), &[1, 3, 2, 4]);
+    /// assert_eq!(c.data_ptr() as usize % 256, 0);
+    /// ```
+    pub fn to_contiguous(&self) -> Result<ManagedTensor> {
+        let dtype = self.dtype();
+        let itemsize = match dtype.itemsize() {
+            Some(s) if self.is_host_accessible() => s,
+            _ => return Err(self.refuse("a host tensor of a whole-byte dtype".into())),
+        };
+        let mut buf = AlignedBuffer::<u8>::zeroed(self.numel() * itemsize);
+        let base = self.data_ptr().cast::<u8>();
+        if self.is_c_contiguous() {
+            if self.numel() > 0 {
+                // SAFETY: compact host memory of numel*itemsize bytes inside the validated span.
+                let src = unsafe { std::slice::from_raw_parts(base, buf.len()) };
+                buf.copy_from_slice(src);
+            }
+        } else {
+            for (dst, off) in buf.chunks_exact_mut(itemsize).zip(self.offsets()) {
+                // SAFETY: each offset addresses a whole element inside the validated span.
+                let src = unsafe {
+                    std::slice::from_raw_parts(base.offset(off as isize * itemsize as isize), itemsize)
+                };
+                dst.copy_from_slice(src);
+            }
+        }
+        let shape: Vec<usize> = self.shape().iter().map(|&d| d as usize).collect();
+        ManagedTensor::from_host_bytes(buf, dtype, &shape, None, 0)
+    }
+
+    /// Whether this is a host tensor whose dtype is `dtype` (a cheap check before typed access).
+    pub fn is_host_of(&self, dtype: DataType) -> bool {
+        self.is_host_accessible() && self.dtype() == dtype
+    }
+}
