@@ -1,28 +1,62 @@
-# dlbridge: `make demo` shows an exchange, `make test` runs every test. Both work on a fresh machine.
+# dlbridge. Two set-up commands work on a fresh machine:
+#   make demo   a real exchange between Rust and numpy / torch / jax / tensorflow / pyarrow
+#   make test   every test (Rust and Python), lints, docs, stubs, valgrind
+# Everything is installed into one virtualenv, .venv, reused across make runs.
 SHELL := /bin/bash
 CARGO ?= cargo
+PYTHON ?= python3
+VENV := $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MATURIN := VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin
+# One interpreter for every build (cargo and maturin), so pyo3 is configured once.
+export PYO3_PYTHON := $(PY)
 
-.PHONY: demo test rust-test lint docs valgrind clean
+.PHONY: demo demo-abi test lint rust-test docs valgrind develop py-test stubs clean
 
-demo:
+demo: develop
+	cd /tmp && $(PY) $(CURDIR)/examples/demo.py
+
+# The Rust-only demo: a Rust buffer through the raw C ABI and back.
+demo-abi:
 	$(CARGO) run --quiet --example demo
 
-test: lint rust-test docs valgrind
+test: lint rust-test docs valgrind py-test stubs
 
-lint:
+$(STAMP): python/requirements-test.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r python/requirements-test.txt
+	touch $(STAMP)
+
+# Builds the extension and the example extension into the virtualenv (editable).
+develop: $(STAMP)
+	$(MATURIN) develop --quiet
+	cd examples/scale && $(MATURIN) develop --quiet
+
+lint: $(STAMP)
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
-rust-test:
+rust-test: $(STAMP)
 	$(CARGO) test --workspace --all-features
 
-docs:
+docs: $(STAMP)
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --all-features
 
 # Every Rust test binary under valgrind memcheck: any error, or a definite leak, fails the run.
-valgrind:
+valgrind: $(STAMP)
 	@command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
 	bash scripts/valgrind.sh
 
+# The Python tests ship inside the package: run them the way a user would, from outside the tree.
+py-test: develop
+	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/tests
+
+# The .pyi stubs must match the compiled module.
+stubs: develop
+	cd /tmp && $(PY) -m mypy.stubtest dlbridge._dlbridge --mypy-config-file $(CURDIR)/pyproject.toml
+
 clean:
 	$(CARGO) clean
+	rm -rf $(VENV)

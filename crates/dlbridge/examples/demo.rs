@@ -20,8 +20,9 @@ fn main() -> Result<(), dlbridge::Error> {
     let m: &DLManagedTensorVersioned = unsafe { &*raw };
     let t = &m.dl_tensor;
     // SAFETY: an exported tensor always carries ndim shape and strides entries.
-    let (shape, strides) =
-        unsafe { (std::slice::from_raw_parts(t.shape, 2).to_vec(), std::slice::from_raw_parts(t.strides, 2).to_vec()) };
+    let (shape, strides) = unsafe {
+        (std::slice::from_raw_parts(t.shape, 2).to_vec(), std::slice::from_raw_parts(t.strides, 2).to_vec())
+    };
     println!("2. exported as DLManagedTensorVersioned at {raw:p} (80 bytes):");
     println!("     version      {}.{}", m.version.major, m.version.minor);
     println!("     flags        {:#x}", m.flags);
@@ -39,7 +40,11 @@ fn main() -> Result<(), dlbridge::Error> {
     println!(
         "     data_ptr {:p}  ==  Vec pointer {vec_ptr:p} ? {}",
         imported.data_ptr(),
-        if imported.data_ptr().cast_const().cast::<f32>() == vec_ptr { "yes: zero-copy" } else { "NO: copied" }
+        if imported.data_ptr().cast_const().cast::<f32>() == vec_ptr {
+            "yes: zero-copy"
+        } else {
+            "NO: copied"
+        }
     );
 
     imported.as_slice_mut::<f32>()?[4] = 100.0;

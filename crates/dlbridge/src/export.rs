@@ -550,6 +550,21 @@ impl ManagedTensor {
         export_versioned(self.parts(), self.flags(), Arc::clone(self))
     }
 
+    /// [`ManagedTensor::export_versioned`] with the device the consumer asked for (a host-accessible
+    /// alias such as cpu for cuda_host memory) and explicit flags.
+    pub(crate) fn export_versioned_as(
+        self: &Arc<Self>,
+        device: Device,
+        flags: Flags,
+    ) -> NonNull<DLManagedTensorVersioned> {
+        export_versioned(Parts { device, ..self.parts() }, flags, Arc::clone(self))
+    }
+
+    /// [`ManagedTensor::export_legacy`] with the device the consumer asked for.
+    pub(crate) fn export_legacy_as(self: &Arc<Self>, device: Device) -> NonNull<DLManagedTensor> {
+        export_legacy(Parts { device, ..self.parts() }, Arc::clone(self))
+    }
+
     /// A new legacy managed tensor sharing this tensor's data; see
     /// [`ManagedTensor::export_versioned`]. A legacy struct cannot carry flags: a caller exporting a
     /// read-only tensor this way must decide whether that is acceptable (the Python layer refuses).

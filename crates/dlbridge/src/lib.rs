@@ -19,7 +19,8 @@
 //! ```
 //!
 //! Modules: [`ffi`] is the raw ABI; [`layout`] the overflow-checked stride arithmetic; the rest is
-//! re-exported at the crate root. Feature `ndarray` adds `ndarray` views and export.
+//! re-exported at the crate root. Feature `ndarray` adds `ndarray` views and export; feature
+//! `python` the PyO3 layer ([`python`]).
 
 pub mod device;
 pub mod dtype;
@@ -31,6 +32,8 @@ pub mod layout;
 pub mod managed;
 #[cfg(feature = "ndarray")]
 pub mod ndarray;
+#[cfg(feature = "python")]
+pub mod python;
 mod view;
 
 pub use device::{Device, DeviceType};

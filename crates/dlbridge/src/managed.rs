@@ -306,6 +306,12 @@ impl ManagedTensor {
         self
     }
 
+    /// This tensor with `extra` flags set too (IS_COPIED for a copy made on this side).
+    pub(crate) fn with_flags(mut self, extra: Flags) -> Self {
+        self.flags |= extra;
+        self
+    }
+
     /// Gives up ownership without calling the deleter, returning the raw pointer. The caller
     /// becomes responsible for calling the deleter exactly once. For a versioned tensor, flags
     /// set on this side (read-only) are written into the struct first.

@@ -1,0 +1,159 @@
+//! DLPack capsules: the four names, making a capsule that owns an exported struct, and consuming
+//! a capsule (check name, read pointer, rename) exactly once.
+//!
+//! Consumption is atomic with respect to other Python threads: the name check, the pointer read
+//! and the rename are three C-API calls that run no Python code, so no other thread can run
+//! between them while this thread holds the GIL. (On a free-threaded build the same three calls
+//! would have to sit inside a per-object critical section; see ARCHITECTURE.md.)
+
+use std::ffi::CStr;
+use std::ptr::NonNull;
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::ffi::{DLManagedTensor, DLManagedTensorVersioned};
+use crate::managed::ManagedTensor;
+
+/// Name of a capsule holding a legacy `DLManagedTensor`.
+pub const DLTENSOR: &CStr = c"dltensor";
+/// The name a consumer gives a legacy capsule it took ownership from.
+pub const USED_DLTENSOR: &CStr = c"used_dltensor";
+/// Name of a capsule holding a `DLManagedTensorVersioned`.
+pub const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+/// The name a consumer gives a versioned capsule it took ownership from.
+pub const USED_DLTENSOR_VERSIONED: &CStr = c"used_dltensor_versioned";
+
+/// Capsule destructor for versioned capsules: runs the deleter unless a consumer renamed the
+/// capsule (and so took ownership). CPython calls it with the GIL held.
+unsafe extern "C" fn destroy_versioned(cap: *mut ffi::PyObject) {
+    // SAFETY: `cap` is the capsule being destroyed; IsValid sets no exception.
+    if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR_VERSIONED.as_ptr()) } == 1 {
+        // SAFETY: valid under this name, so GetPointer succeeds without setting an exception.
+        let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR_VERSIONED.as_ptr()) }
+            .cast::<DLManagedTensorVersioned>();
+        // SAFETY: the capsule still owns the struct; call its deleter once.
+        if let Some(d) = unsafe { (*p).deleter } {
+            // SAFETY: as above.
+            unsafe { d(p) }
+        }
+    }
+}
+
+/// Capsule destructor for legacy capsules; see [`destroy_versioned`].
+unsafe extern "C" fn destroy_legacy(cap: *mut ffi::PyObject) {
+    // SAFETY: as in destroy_versioned.
+    if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) } == 1 {
+        // SAFETY: valid under this name.
+        let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) }.cast::<DLManagedTensor>();
+        // SAFETY: the capsule still owns the struct.
+        if let Some(d) = unsafe { (*p).deleter } {
+            // SAFETY: as above.
+            unsafe { d(p) }
+        }
+    }
+}
+
+/// A `"dltensor_versioned"` capsule owning `p` (its deleter runs if nobody consumes it). If the
+/// capsule cannot be made, the struct is deleted and the Python error returned.
+pub fn versioned_capsule(py: Python<'_>, p: NonNull<DLManagedTensorVersioned>) -> PyResult<Bound<'_, PyAny>> {
+    // SAFETY: a live struct we own; the name is static; the destructor matches the name.
+    let cap = unsafe {
+        ffi::PyCapsule_New(p.as_ptr().cast(), DLTENSOR_VERSIONED.as_ptr(), Some(destroy_versioned))
+    };
+    // SAFETY: a new reference or NULL with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(py, cap) }.inspect_err(|_| {
+        // SAFETY: the capsule was not made, so we still own the struct.
+        if let Some(d) = unsafe { (*p.as_ptr()).deleter } {
+            // SAFETY: called once.
+            unsafe { d(p.as_ptr()) }
+        }
+    })
+}
+
+/// A `"dltensor"` capsule owning `p`; see [`versioned_capsule`].
+pub fn legacy_capsule(py: Python<'_>, p: NonNull<DLManagedTensor>) -> PyResult<Bound<'_, PyAny>> {
+    // SAFETY: as in versioned_capsule.
+    let cap = unsafe { ffi::PyCapsule_New(p.as_ptr().cast(), DLTENSOR.as_ptr(), Some(destroy_legacy)) };
+    // SAFETY: a new reference or NULL with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(py, cap) }.inspect_err(|_| {
+        // SAFETY: the capsule was not made, so we still own the struct.
+        if let Some(d) = unsafe { (*p.as_ptr()).deleter } {
+            // SAFETY: called once.
+            unsafe { d(p.as_ptr()) }
+        }
+    })
+}
+
+/// Whether `obj` is a capsule (of any name).
+pub fn is_capsule(obj: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: a type check on a live object.
+    unsafe { ffi::PyCapsule_CheckExact(obj.as_ptr()) == 1 }
+}
+
+/// Takes ownership of the tensor in a fresh DLPack capsule: checks the name, reads the pointer,
+/// renames the capsule to its `used_` name (so its destructor no longer frees the tensor), then
+/// validates. If validation refuses the tensor, its deleter has already run, exactly once.
+///
+/// `what` names the source in error messages ("the capsule returned by numpy.ndarray.__dlpack__").
+pub fn consume(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<ManagedTensor> {
+    let cap = obj.as_ptr();
+    if !is_capsule(obj) {
+        return Err(PyTypeError::new_err(format!(
+            "{}: expected a DLPack capsule, got {}",
+            what(),
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+        )));
+    }
+    // No Python code runs between the check and the rename below (atomic under the GIL).
+    // SAFETY: `cap` is a live capsule; IsValid sets no exception.
+    if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR_VERSIONED.as_ptr()) } == 1 {
+        // SAFETY: valid under this name.
+        let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR_VERSIONED.as_ptr()) }
+            .cast::<DLManagedTensorVersioned>();
+        rename(cap, USED_DLTENSOR_VERSIONED);
+        // SAFETY: the capsule handed us ownership of a producer's versioned struct.
+        return Ok(unsafe { ManagedTensor::from_raw_versioned(p) }?);
+    }
+    // SAFETY: as above.
+    if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) } == 1 {
+        // SAFETY: valid under this name.
+        let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) }.cast::<DLManagedTensor>();
+        rename(cap, USED_DLTENSOR);
+        // SAFETY: the capsule handed us ownership of a producer's legacy struct.
+        return Ok(unsafe { ManagedTensor::from_raw_legacy(p) }?);
+    }
+    let name = capsule_name(obj);
+    if name.starts_with("used_") {
+        Err(PyValueError::new_err(format!(
+            "{}: the DLPack capsule was already consumed (it is named {name:?}); a capsule can be consumed once",
+            what()
+        )))
+    } else {
+        Err(PyTypeError::new_err(format!(
+            "{}: capsule named {name:?} is not a DLPack tensor (expected \"dltensor\" or \"dltensor_versioned\")",
+            what()
+        )))
+    }
+}
+
+/// The name of a capsule, lossily, for messages.
+pub fn capsule_name(obj: &Bound<'_, PyAny>) -> String {
+    // SAFETY: a live capsule; GetName returns the stored pointer (possibly NULL) and for a real
+    // capsule sets no exception.
+    let n = unsafe { ffi::PyCapsule_GetName(obj.as_ptr()) };
+    if n.is_null() {
+        // SAFETY: clears an exception GetName may have set for a non-capsule.
+        unsafe { ffi::PyErr_Clear() };
+        return "<NULL>".into();
+    }
+    // SAFETY: capsule names are NUL-terminated C strings.
+    unsafe { CStr::from_ptr(n) }.to_string_lossy().into_owned()
+}
+
+fn rename(cap: *mut ffi::PyObject, name: &'static CStr) {
+    // SAFETY: a live capsule and a static name; SetName only fails for non-capsules.
+    let rc = unsafe { ffi::PyCapsule_SetName(cap, name.as_ptr()) };
+    debug_assert_eq!(rc, 0);
+}

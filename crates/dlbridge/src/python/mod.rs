@@ -1,0 +1,78 @@
+//! The Python layer (feature `python`, PyO3): `dlbridge.from_dlpack`, `dlbridge.Tensor`, the
+//! vocabulary types, and the capsule protocol. It is a layer over the core, never the other way
+//! round: everything it knows about tensors comes from [`crate::ManagedTensor`].
+//!
+//! For a downstream PyO3 extension, [`ManagedTensor`](crate::ManagedTensor) is both an argument
+//! type (it imports any DLPack producer) and a return type (it becomes a `dlbridge.Tensor`):
+//!
+//! ```no_run
+//! use dlbridge::ManagedTensor;
+//! use pyo3::prelude::*;
+//!
+//! /// Doubles every float32 of a host tensor from any library, in place.
+//! #[pyfunction]
+//! fn double(mut t: ManagedTensor) -> PyResult<ManagedTensor> {
+//!     for x in t.as_slice_mut::<f32>()? {
+//!         *x *= 2.0;
+//!     }
+//!     Ok(t)
+//! }
+//! ```
+
+mod capsule;
+mod import;
+mod tensor;
+mod types;
+
+use pyo3::prelude::*;
+
+pub use capsule::{
+    DLTENSOR, DLTENSOR_VERSIONED, USED_DLTENSOR, USED_DLTENSOR_VERSIONED, consume, is_capsule,
+};
+pub use import::{ImportOptions, from_dlpack_with};
+pub use tensor::Tensor;
+pub use types::{PyDType, PyDevice, device_type_enum, device_type_member};
+
+use crate::dtype::DataType;
+
+/// Imports any DLPack producer (an object with `__dlpack__`, a bare capsule, or a
+/// `dlbridge.Tensor`) as a `dlbridge.Tensor`, without copying unless `copy=True`.
+#[pyfunction]
+#[pyo3(signature = (x, /, *, device=None, copy=None, stream=None, legacy_writable=false))]
+fn from_dlpack<'py>(
+    x: &Bound<'py, PyAny>,
+    device: Option<&Bound<'py, PyAny>>,
+    copy: Option<bool>,
+    stream: Option<Bound<'py, PyAny>>,
+    legacy_writable: bool,
+) -> PyResult<Tensor> {
+    let opts = import::options(device, copy, stream, legacy_writable)?;
+    Ok(Tensor::new(from_dlpack_with(x, &opts)?))
+}
+
+/// Test hook: imports `x`, then drops the imported tensor on a new native thread that never held
+/// the GIL, while this thread has released it. The producer's deleter must cope (take the GIL
+/// itself); the test checks it ran.
+#[pyfunction]
+fn _drop_on_native_thread(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    let t = from_dlpack_with(x, &ImportOptions::default())?;
+    py.detach(move || std::thread::spawn(move || drop(t)).join())
+        .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the native thread panicked"))
+}
+
+/// Adds dlbridge's classes, functions and constants to a Python module (the `dlbridge._dlbridge`
+/// extension calls this; a downstream extension may too).
+pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Tensor>()?;
+    m.add_class::<PyDType>()?;
+    m.add_class::<PyDevice>()?;
+    m.add("DeviceType", device_type_enum(py)?)?;
+    m.add_function(wrap_pyfunction!(from_dlpack, m)?)?;
+    m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
+    m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
+    for t in DataType::ALL {
+        m.add(t.to_string().as_str(), PyDType(t))?;
+    }
+    Ok(())
+}

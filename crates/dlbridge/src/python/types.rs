@@ -1,0 +1,223 @@
+//! The Python vocabulary: `dlbridge.DType`, `dlbridge.Device`, the `dlbridge.DeviceType` IntEnum,
+//! and the mapping of [`crate::Error`] onto the exceptions the array API standard names.
+
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::device::{Device, DeviceType};
+use crate::dtype::DataType;
+use crate::error::Error;
+
+impl From<Error> for PyErr {
+    /// Validation refusals (what cannot be imported or exported) become `BufferError`; bad names and
+    /// buffer/layout mismatches `ValueError`; a tensor of the wrong kind for an operation
+    /// `TypeError`.
+    fn from(e: Error) -> PyErr {
+        match e {
+            Error::UnknownDtypeName { .. }
+            | Error::UnknownDeviceName { .. }
+            | Error::BufferMismatch { .. } => PyValueError::new_err(e.to_string()),
+            Error::Incompatible { .. } => PyTypeError::new_err(e.to_string()),
+            _ => PyBufferError::new_err(e.to_string()),
+        }
+    }
+}
+
+/// A DLPack element type: `code`, `bits`, `lanes`; `str()` gives the numpy/ml_dtypes name.
+#[pyclass(module = "dlbridge", name = "DType", frozen, eq, hash, from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PyDType(pub DataType);
+
+#[pymethods]
+impl PyDType {
+    /// `DType("float32")`, or `DType(code, bits, lanes=1)`.
+    #[new]
+    #[pyo3(signature = (name_or_code, bits=None, lanes=1))]
+    fn new(name_or_code: &Bound<'_, PyAny>, bits: Option<u8>, lanes: u16) -> PyResult<Self> {
+        let t = if let Ok(name) = name_or_code.extract::<&str>() {
+            if bits.is_some() {
+                return Err(PyTypeError::new_err("DType(name) takes no bits; use DType(code, bits, lanes)"));
+            }
+            name.parse::<DataType>()?
+        } else {
+            let code: u8 = name_or_code.extract()?;
+            let bits =
+                bits.ok_or_else(|| PyTypeError::new_err("DType(code, bits, lanes): bits is required"))?;
+            let t = DataType::new(crate::TypeCode(code), bits, lanes);
+            t.validate()?;
+            t
+        };
+        Ok(Self(t))
+    }
+
+    /// The DLPack type code.
+    #[getter]
+    fn code(&self) -> u8 {
+        self.0.code().0
+    }
+
+    /// Bits per lane.
+    #[getter]
+    fn bits(&self) -> u8 {
+        self.0.bits()
+    }
+
+    /// Lanes (1 for scalars).
+    #[getter]
+    fn lanes(&self) -> u16 {
+        self.0.lanes()
+    }
+
+    /// The name numpy, torch or ml_dtypes use ("float32", "bfloat16", "float8_e4m3fn").
+    #[getter]
+    fn name(&self) -> String {
+        self.0.to_string()
+    }
+
+    /// Bytes per element, or None for packed sub-byte types.
+    #[getter]
+    fn itemsize(&self) -> Option<usize> {
+        self.0.itemsize()
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("dlbridge.{}", self.0)
+    }
+}
+
+/// A device: `type` (a DeviceType) and `id`; `str()` gives "cpu" or "cuda:1".
+#[pyclass(module = "dlbridge", name = "Device", frozen, eq, hash, from_py_object)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PyDevice(pub Device);
+
+#[pymethods]
+impl PyDevice {
+    /// `Device("cuda:1")`, `Device(DeviceType.CUDA, 1)` or `Device(2, 1)`.
+    #[new]
+    #[pyo3(signature = (kind, id=0))]
+    fn new(kind: &Bound<'_, PyAny>, id: i32) -> PyResult<Self> {
+        if let Ok(name) = kind.extract::<&str>() {
+            return Ok(Self(name.parse::<Device>()?));
+        }
+        let t: i32 = kind.extract()?;
+        if !DeviceType(t).is_known() {
+            return Err(PyValueError::new_err(format!("device type: {t} is not a DLPack 1.3 device type")));
+        }
+        Ok(Self(Device::new(DeviceType(t), id)))
+    }
+
+    /// The device type, a `dlbridge.DeviceType` member.
+    #[getter]
+    fn r#type<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        device_type_member(py, self.0.device_type())
+    }
+
+    /// The ordinal.
+    #[getter]
+    fn id(&self) -> i32 {
+        self.0.id()
+    }
+
+    fn __str__(&self) -> String {
+        self.0.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("dlbridge.Device('{}')", self.0)
+    }
+
+    /// `(type, id)`, as `__dlpack_device__` returns it.
+    fn __dlpack_device__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        dlpack_device_tuple(py, self.0)
+    }
+}
+
+/// The names of the `DeviceType` members, by code (the array API's names where it has one).
+const DEVICE_TYPE_NAMES: [(i32, &str); 16] = [
+    (1, "CPU"),
+    (2, "CUDA"),
+    (3, "CUDA_HOST"),
+    (4, "OPENCL"),
+    (7, "VULKAN"),
+    (8, "METAL"),
+    (9, "VPI"),
+    (10, "ROCM"),
+    (11, "ROCM_HOST"),
+    (12, "EXT_DEV"),
+    (13, "CUDA_MANAGED"),
+    (14, "ONE_API"),
+    (15, "WEBGPU"),
+    (16, "HEXAGON"),
+    (17, "MAIA"),
+    (18, "TRN"),
+];
+
+/// The `dlbridge.DeviceType` IntEnum and its members indexed by code, made once per interpreter.
+struct DeviceTypes {
+    enum_type: Py<PyAny>,
+    members: Vec<Option<Py<PyAny>>>,
+}
+
+static DEVICE_TYPES: PyOnceLock<DeviceTypes> = PyOnceLock::new();
+
+fn device_types(py: Python<'_>) -> PyResult<&DeviceTypes> {
+    DEVICE_TYPES.get_or_try_init(py, || {
+        let pairs = PyList::empty(py);
+        for (code, name) in DEVICE_TYPE_NAMES {
+            pairs.append((name, code))?;
+        }
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("module", "dlbridge")?;
+        let enum_type = py.import("enum")?.getattr("IntEnum")?.call(("DeviceType", pairs), Some(&kwargs))?;
+        let mut members: Vec<Option<Py<PyAny>>> = (0..19).map(|_| None).collect();
+        for (code, name) in DEVICE_TYPE_NAMES {
+            members[code as usize] = Some(enum_type.getattr(name)?.unbind());
+        }
+        Ok(DeviceTypes { enum_type: enum_type.unbind(), members })
+    })
+}
+
+/// The `dlbridge.DeviceType` IntEnum class.
+pub fn device_type_enum(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    Ok(device_types(py)?.enum_type.bind(py).clone())
+}
+
+/// The `DeviceType` member for `t` (a plain int for a type DLPack 1.3 does not name).
+pub fn device_type_member(py: Python<'_>, t: DeviceType) -> PyResult<Bound<'_, PyAny>> {
+    let m = usize::try_from(t.0).ok().and_then(|i| device_types(py).ok()?.members.get(i)?.as_ref());
+    match m {
+        Some(m) => Ok(m.bind(py).clone()),
+        None => Ok(t.0.into_pyobject(py)?.into_any()),
+    }
+}
+
+/// `(DeviceType member, id)`.
+pub fn dlpack_device_tuple(py: Python<'_>, d: Device) -> PyResult<Bound<'_, PyTuple>> {
+    PyTuple::new(py, [device_type_member(py, d.device_type())?, d.id().into_pyobject(py)?.into_any()])
+}
+
+/// Reads a device given as "cpu"/"cuda:1", a `dlbridge.Device`, or a `(type, id)` tuple.
+pub fn extract_device(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
+    if let Ok(d) = obj.cast::<PyDevice>() {
+        return Ok(d.get().0);
+    }
+    if let Ok(name) = obj.extract::<&str>() {
+        return Ok(name.parse::<Device>()?);
+    }
+    if let Ok((t, id)) = obj.extract::<(i32, i32)>() {
+        if !DeviceType(t).is_known() {
+            return Err(PyValueError::new_err(format!("device: type {t} is not a DLPack 1.3 device type")));
+        }
+        return Ok(Device::new(DeviceType(t), id));
+    }
+    Err(PyTypeError::new_err(format!(
+        "device: expected \"cpu\", a dlbridge.Device or a (type, id) tuple, got {}",
+        obj.get_type().name()?
+    )))
+}
