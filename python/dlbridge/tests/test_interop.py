@@ -125,3 +125,56 @@ def test_one_dimensional_arrays_into_pyarrow(dtype: str) -> None:
     y = pa.Array.from_dlpack(t)
     assert pointer(y) == t.data_ptr
     assert values_equal(y, dtype, "1d")
+
+
+WRITABLE_PRODUCERS = ["numpy", "torch", "array_api_strict", "dlbridge"]
+WRITABLE_CONSUMERS = ["numpy", "torch", "dlbridge"]
+
+
+def write_through(consumer: str, y) -> None:
+    """Writes 99 at the first element through the consumer's own array."""
+    if consumer == "dlbridge":
+        y = need("numpy").from_dlpack(y)
+    y[(0,) * y.ndim] = 99
+
+
+def read_first(producer: str, x) -> float:
+    if producer == "array_api_strict":
+        x = x._array
+    if producer == "dlbridge":
+        x = need("numpy").from_dlpack(x)
+    return float(x[(0,) * x.ndim])
+
+
+@pytest.mark.parametrize("shape", ["3d", "transposed", "sliced"])
+@pytest.mark.parametrize("consumer", WRITABLE_CONSUMERS)
+@pytest.mark.parametrize("producer", WRITABLE_PRODUCERS)
+def test_a_write_on_the_consumer_side_is_seen_by_the_producer(producer: str, consumer: str, shape: str) -> None:
+    x = PRODUCERS[producer]("float32", shape)
+    t = dlbridge.from_dlpack(x)
+    assert not t.readonly
+    y = CONSUMERS[consumer](t)
+    assert read_first(producer, x) != 99
+    write_through(consumer, y)
+    assert read_first(producer, x) == 99
+
+
+def test_tensorflow_takes_only_legacy_capsules() -> None:
+    tf = need("tensorflow")
+    t = dlbridge.from_dlpack(reference("float32", "1d"))
+    with pytest.raises(Exception, match="versioned|dltensor"):
+        tf.experimental.dlpack.from_dlpack(t.__dlpack__(max_version=(1, 0)))
+    assert tf.experimental.dlpack.from_dlpack(t.__dlpack__()).numpy().tolist() == reference("float32", "1d").tolist()
+
+
+def test_jax_and_tensorflow_sources_round_trip_through_dlbridge_as_legacy() -> None:
+    need("jax")
+    import jax.numpy as jnp
+
+    x = jnp.arange(8.0)
+    t = dlbridge.from_dlpack(x)
+    assert t.readonly, "a legacy capsule cannot say it is writable"
+    y = jnp.from_dlpack(t)
+    assert y.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+    w = need("numpy").from_dlpack(t)
+    assert not w.flags.writeable

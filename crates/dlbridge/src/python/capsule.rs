@@ -3,8 +3,8 @@
 //!
 //! Consumption is atomic with respect to other Python threads: the name check, the pointer read
 //! and the rename are three C-API calls that run no Python code, so no other thread can run
-//! between them while this thread holds the GIL. (On a free-threaded build the same three calls
-//! would have to sit inside a per-object critical section; see ARCHITECTURE.md.)
+//! between them while this thread holds the GIL; on a free-threaded build they run inside a
+//! per-capsule critical section.
 
 use std::ffi::CStr;
 use std::ptr::NonNull;
@@ -106,23 +106,35 @@ pub fn consume(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<Ma
             obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
         )));
     }
-    // No Python code runs between the check and the rename below (atomic under the GIL).
-    // SAFETY: `cap` is a live capsule; IsValid sets no exception.
-    if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR_VERSIONED.as_ptr()) } == 1 {
-        // SAFETY: valid under this name.
-        let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR_VERSIONED.as_ptr()) }
-            .cast::<DLManagedTensorVersioned>();
-        rename(cap, USED_DLTENSOR_VERSIONED);
+    // Check, read and rename with no Python code in between: atomic under the GIL, and inside a
+    // per-capsule critical section on free-threaded builds (a no-op otherwise).
+    let taken = pyo3::sync::critical_section::with_critical_section(obj, || {
+        // SAFETY: `cap` is a live capsule; IsValid sets no exception.
+        if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR_VERSIONED.as_ptr()) } == 1 {
+            // SAFETY: valid under this name.
+            let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR_VERSIONED.as_ptr()) };
+            rename(cap, USED_DLTENSOR_VERSIONED);
+            return Some((p, true));
+        }
+        // SAFETY: as above.
+        if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) } == 1 {
+            // SAFETY: valid under this name.
+            let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) };
+            rename(cap, USED_DLTENSOR);
+            return Some((p, false));
+        }
+        None
+    });
+    match taken {
         // SAFETY: the capsule handed us ownership of a producer's versioned struct.
-        return Ok(unsafe { ManagedTensor::from_raw_versioned(p) }?);
-    }
-    // SAFETY: as above.
-    if unsafe { ffi::PyCapsule_IsValid(cap, DLTENSOR.as_ptr()) } == 1 {
-        // SAFETY: valid under this name.
-        let p = unsafe { ffi::PyCapsule_GetPointer(cap, DLTENSOR.as_ptr()) }.cast::<DLManagedTensor>();
-        rename(cap, USED_DLTENSOR);
+        Some((p, true)) => {
+            return Ok(unsafe { ManagedTensor::from_raw_versioned(p.cast::<DLManagedTensorVersioned>()) }?);
+        }
         // SAFETY: the capsule handed us ownership of a producer's legacy struct.
-        return Ok(unsafe { ManagedTensor::from_raw_legacy(p) }?);
+        Some((p, false)) => {
+            return Ok(unsafe { ManagedTensor::from_raw_legacy(p.cast::<DLManagedTensor>()) }?);
+        }
+        None => {}
     }
     let name = capsule_name(obj);
     if name.starts_with("used_") {
