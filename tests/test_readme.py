@@ -10,14 +10,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
+
+
 def block(lang: str) -> str:
-    return re.search(rf"```{lang}\n(.*?)```", README, re.S).group(1)
+    return blocks(lang)[0]
 
 
-def test_python_example_runs():
-    code = block("python")
-    assert len(code.strip().splitlines()) == 5
-    exec(compile(code, "README.md", "exec"), {})
+def test_python_examples_run():
+    first, *rest = blocks("python")
+    assert len(first.strip().splitlines()) == 5
+    for code in [first, *rest]:
+        exec(compile(code, "README.md", "exec"), {})
 
 
 def test_rust_example_is_the_one_compiled_into_the_example_extension():

@@ -1,5 +1,7 @@
 """dlbridge: zero-copy tensor exchange between array libraries through DLPack 1.3.
 
+``asdlpack(x)`` does the same for anything that speaks any array protocol (DLPack, the buffer
+protocol, ``__array_interface__``, ``__cuda_array_interface__``): bytes, memoryviews, mmaps, ...
 ``from_dlpack(x)`` imports any DLPack producer (numpy, torch, jax, tensorflow, pyarrow, cupy,
 array-api-strict, a bare capsule) as a ``Tensor``; a ``Tensor`` is accepted by every DLPack consumer,
 as often as asked. Importing dlbridge imports no array library.
@@ -11,6 +13,7 @@ from ._dlbridge import (
     DType,
     Tensor,
     __dlpack_version__,
+    asdlpack,
     from_dlpack,
     int8,
     int16,
@@ -48,6 +51,7 @@ __all__ = [
     "DType",
     "Tensor",
     "__dlpack_version__",
+    "asdlpack",
     "from_dlpack",
     "int8",
     "int16",

@@ -11,7 +11,9 @@ __all__ = [
     "Device",
     "DeviceType",
     "from_dlpack",
+    "asdlpack",
     "_drop_on_native_thread",
+    "_cuda_driver_available",
     "__dlpack_version__",
     "int8",
     "int16",
@@ -141,6 +143,7 @@ class Tensor:
         def __buffer__(self, flags: int, /) -> memoryview: ...
         def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
+def asdlpack(x: Any, /, *, device_id: int | None = None) -> Tensor: ...
 def from_dlpack(
     x: Any,
     /,
@@ -181,3 +184,4 @@ float4_e2m1fn: Final[DType]
 float4_e2m1fn_x2: Final[DType]
 
 def _drop_on_native_thread(x: Any) -> None: ...
+def _cuda_driver_available() -> builtins.bool: ...

@@ -22,12 +22,14 @@
 //! re-exported at the crate root. Feature `ndarray` adds `ndarray` views and export; feature
 //! `python` the PyO3 layer ([`python`]).
 
+pub mod cuda;
 pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod export;
 pub mod ffi;
 pub mod flags;
+pub mod interface;
 pub mod layout;
 pub mod managed;
 #[cfg(feature = "ndarray")]

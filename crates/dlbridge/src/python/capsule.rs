@@ -125,16 +125,15 @@ pub fn consume(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<Ma
         }
         None
     });
-    match taken {
-        // SAFETY: the capsule handed us ownership of a producer's versioned struct.
-        Some((p, true)) => {
-            return Ok(unsafe { ManagedTensor::from_raw_versioned(p.cast::<DLManagedTensorVersioned>()) }?);
-        }
-        // SAFETY: the capsule handed us ownership of a producer's legacy struct.
-        Some((p, false)) => {
-            return Ok(unsafe { ManagedTensor::from_raw_legacy(p.cast::<DLManagedTensor>()) }?);
-        }
-        None => {}
+    if let Some((p, versioned)) = taken {
+        let t = if versioned {
+            // SAFETY: the capsule handed us ownership of a producer's versioned struct.
+            unsafe { ManagedTensor::from_raw_versioned(p.cast::<DLManagedTensorVersioned>()) }
+        } else {
+            // SAFETY: the capsule handed us ownership of a producer's legacy struct.
+            unsafe { ManagedTensor::from_raw_legacy(p.cast::<DLManagedTensor>()) }
+        };
+        return Ok(t?);
     }
     let name = capsule_name(obj);
     if name.starts_with("used_") {

@@ -21,6 +21,7 @@
 
 mod capsule;
 mod import;
+mod protocols;
 mod tensor;
 mod types;
 
@@ -30,6 +31,7 @@ pub use capsule::{
     DLTENSOR, DLTENSOR_VERSIONED, USED_DLTENSOR, USED_DLTENSOR_VERSIONED, consume, is_capsule,
 };
 pub use import::{ImportOptions, from_dlpack_with};
+pub use protocols::{AnyTensor, PyOwner, asdlpack_with};
 pub use tensor::Tensor;
 pub use types::{PyDType, PyDevice, device_type_enum, device_type_member};
 
@@ -48,6 +50,22 @@ fn from_dlpack<'py>(
 ) -> PyResult<Tensor> {
     let opts = import::options(device, copy, stream, legacy_writable)?;
     Ok(Tensor::new(from_dlpack_with(x, &opts)?))
+}
+
+/// Wraps any object that speaks an array protocol (DLPack, the buffer protocol,
+/// `__array_interface__`, `__cuda_array_interface__`) as a `dlbridge.Tensor`, without copying.
+/// `device_id` names the CUDA device of a CUDA-array-interface pointer when no driver can tell.
+#[pyfunction]
+#[pyo3(signature = (obj, /, *, device_id=None))]
+fn asdlpack(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult<Tensor> {
+    let any = asdlpack_with(obj, device_id)?;
+    Ok(Tensor::with_producer_stream(any.tensor, any.producer_stream))
+}
+
+/// Whether a CUDA driver could be loaded in this process (tests use it to pick expectations).
+#[pyfunction]
+fn _cuda_driver_available() -> bool {
+    crate::cuda::Driver::get().is_ok()
 }
 
 /// Test hook: imports `x`, then drops the imported tensor on a new native thread that never held
@@ -69,7 +87,9 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDevice>()?;
     m.add("DeviceType", device_type_enum(py)?)?;
     m.add_function(wrap_pyfunction!(from_dlpack, m)?)?;
+    m.add_function(wrap_pyfunction!(asdlpack, m)?)?;
     m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
         m.add(t.to_string().as_str(), PyDType(t))?;

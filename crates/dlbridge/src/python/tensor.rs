@@ -24,12 +24,20 @@ use crate::managed::ManagedTensor;
 #[pyclass(module = "dlbridge", name = "Tensor", frozen)]
 pub struct Tensor {
     inner: Arc<ManagedTensor>,
+    /// The CUDA stream the producer's work is queued on (`__cuda_array_interface__` v3): consumers
+    /// asking for a stream are made to wait on it.
+    producer_stream: Option<usize>,
 }
 
 impl Tensor {
     /// Wraps a tensor.
     pub fn new(t: ManagedTensor) -> Self {
-        Self { inner: Arc::new(t) }
+        Self { inner: Arc::new(t), producer_stream: None }
+    }
+
+    /// Wraps a tensor whose producer queues work on CUDA stream `stream`.
+    pub fn with_producer_stream(t: ManagedTensor, stream: Option<usize>) -> Self {
+        Self { inner: Arc::new(t), producer_stream: stream }
     }
 
     /// The shared tensor.
@@ -125,6 +133,23 @@ impl Tensor {
         Ok(())
     }
 
+    /// Makes the consumer's stream wait for the producer's, as the standard asks of a producer:
+    /// `stream=None` means the legacy default stream (1), `-1` means no synchronisation.
+    fn sync_streams(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let Some(producer) = self.producer_stream else { return Ok(()) };
+        let consumer: i64 = match stream.filter(|s| !s.is_none()) {
+            None => 1,
+            Some(s) => s.extract()?,
+        };
+        if consumer == -1 || consumer as usize == producer {
+            return Ok(());
+        }
+        let device = self.inner.device().id();
+        crate::cuda::Driver::get()
+            .and_then(|d| d.stream_wait(device, producer, consumer as usize))
+            .map_err(|why| PyBufferError::new_err(format!("__dlpack__: cannot make stream {consumer} wait for the producer's stream {producer:#x}: {why}")))
+    }
+
     /// Where the export says the data lives: the tensor's own device, or cpu when the consumer
     /// asked for cpu and the memory is host-accessible.
     fn target_device(&self, dl_device: Option<&Bound<'_, PyAny>>) -> PyResult<Device> {
@@ -174,6 +199,7 @@ impl Tensor {
         };
         self.check_stream(stream)?;
         let device = self.target_device(dl_device)?;
+        self.sync_streams(stream)?;
         let (source, flags) = if copy == Some(true) {
             if !self.inner.is_host_accessible() {
                 return Err(PyBufferError::new_err(format!(

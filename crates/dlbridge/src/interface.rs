@@ -1,0 +1,227 @@
+//! Parsers for the non-DLPack array protocols' type descriptions, pure and panic-free (fuzz
+//! targets): Python buffer-protocol format strings (PEP 3118 / `struct` syntax) and numpy
+//! array-interface typestrs. Both map onto a [`DataType`] or refuse with an error naming the field.
+//!
+//! ```
+//! use dlbridge::DataType;
+//! use dlbridge::interface::{buffer_format, typestr};
+//! assert_eq!(buffer_format("<f", 4).unwrap(), DataType::FLOAT32);
+//! assert_eq!(buffer_format("Zd", 16).unwrap(), DataType::COMPLEX128);
+//! assert_eq!(typestr("<i8").unwrap(), DataType::INT64);
+//! assert!(typestr(">f4").is_err() || cfg!(target_endian = "big"));
+//! ```
+
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+
+fn refuse(field: &str, value: &str, why: &str) -> Error {
+    Error::Incompatible { expected: format!("{field} {why}"), found: format!("{field} {value:?}") }
+}
+
+/// Kinds of element the protocols can describe.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Bool,
+    Int,
+    UInt,
+    Float,
+    Complex,
+}
+
+fn dtype_of(kind: Kind, bytes: usize) -> Option<DataType> {
+    Some(match (kind, bytes) {
+        (Kind::Bool, 1) => DataType::BOOL,
+        (Kind::Int, 1) => DataType::INT8,
+        (Kind::Int, 2) => DataType::INT16,
+        (Kind::Int, 4) => DataType::INT32,
+        (Kind::Int, 8) => DataType::INT64,
+        (Kind::UInt, 1) => DataType::UINT8,
+        (Kind::UInt, 2) => DataType::UINT16,
+        (Kind::UInt, 4) => DataType::UINT32,
+        (Kind::UInt, 8) => DataType::UINT64,
+        (Kind::Float, 2) => DataType::FLOAT16,
+        (Kind::Float, 4) => DataType::FLOAT32,
+        (Kind::Float, 8) => DataType::FLOAT64,
+        (Kind::Complex, 8) => DataType::COMPLEX64,
+        (Kind::Complex, 16) => DataType::COMPLEX128,
+        _ => return None,
+    })
+}
+
+/// The dtype of a buffer-protocol `format` string whose elements are `itemsize` bytes.
+///
+/// Accepts one element code with an optional byte-order prefix (`@`, `=`, `<`, `>`, `!`) and an
+/// optional repeat count of 1: `?`, `b B h H i I l L q Q n N` integers, `e f d` floats, `Zf Zd`
+/// complex. `itemsize` must match the code's size under the prefix (native sizes for `@` or no
+/// prefix, standard sizes otherwise). Refuses non-native byte order for multi-byte elements,
+/// structs, pointers, chars, strings, padding and repeat counts other than 1.
+pub fn buffer_format(format: &str, itemsize: usize) -> Result<DataType> {
+    let bad = |why: &str| refuse("format", format, why);
+    let (prefix, rest) = match format.as_bytes().first() {
+        Some(b'@' | b'=' | b'<' | b'>' | b'!') => (format.as_bytes()[0], &format[1..]),
+        _ => (b'@', format),
+    };
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    let (count, code) = rest.split_at(digits);
+    if !count.is_empty() && count != "1" {
+        return Err(bad("with one element per item (no repeat count)"));
+    }
+    let native = prefix == b'@';
+    let (kind, native_size, std_size) = match code {
+        "?" => (Kind::Bool, 1, 1),
+        "b" => (Kind::Int, 1, 1),
+        "B" => (Kind::UInt, 1, 1),
+        "h" => (Kind::Int, 2, 2),
+        "H" => (Kind::UInt, 2, 2),
+        "i" => (Kind::Int, 4, 4),
+        "I" => (Kind::UInt, 4, 4),
+        "l" => (Kind::Int, size_of::<std::ffi::c_long>(), 4),
+        "L" => (Kind::UInt, size_of::<std::ffi::c_ulong>(), 4),
+        "q" => (Kind::Int, 8, 8),
+        "Q" => (Kind::UInt, 8, 8),
+        "n" if native => (Kind::Int, size_of::<isize>(), 0),
+        "N" if native => (Kind::UInt, size_of::<usize>(), 0),
+        "e" => (Kind::Float, 2, 2),
+        "f" => (Kind::Float, 4, 4),
+        "d" => (Kind::Float, 8, 8),
+        "Zf" => (Kind::Complex, 8, 8),
+        "Zd" => (Kind::Complex, 16, 16),
+        _ => {
+            return Err(bad(
+                "of a bool, integer, float or complex element (struct, pointer, char and string formats are not tensors)",
+            ));
+        }
+    };
+    let size = if native { native_size } else { std_size };
+    if size != itemsize {
+        return Err(Error::Incompatible {
+            expected: format!("itemsize {size} for format {format:?}"),
+            found: format!("itemsize {itemsize}"),
+        });
+    }
+    let little = cfg!(target_endian = "little");
+    let foreign = match prefix {
+        b'<' => !little,
+        b'>' | b'!' => little,
+        _ => false,
+    };
+    if foreign && size > 1 {
+        return Err(bad("in native byte order (DLPack data is native-endian)"));
+    }
+    dtype_of(kind, size).ok_or_else(|| bad("of a supported size"))
+}
+
+/// The dtype of a numpy array-interface `typestr` (`"<f4"`, `"|b1"`, `"<c16"`).
+///
+/// Accepts kinds `b` (1 byte), `i`, `u`, `f` (2, 4, 8 bytes) and `c` (8, 16 bytes) with byte order
+/// `<`, `>`, `=` or `|`; refuses non-native order for multi-byte elements and the kinds `V`, `O`,
+/// `M`, `m`, `S`, `U`, `a` (records, objects, datetimes, strings).
+pub fn typestr(s: &str) -> Result<DataType> {
+    let bad = |why: &str| refuse("typestr", s, why);
+    let b = s.as_bytes();
+    if b.len() < 3 || !matches!(b[0], b'<' | b'>' | b'=' | b'|') {
+        return Err(bad("of the form <byte order><kind><size>, like \"<f4\""));
+    }
+    // `get` rather than indexing: a multi-byte character at position 1 must not panic.
+    let size: usize = s.get(2..).and_then(|d| d.parse().ok()).ok_or_else(|| bad("with a decimal size"))?;
+    let kind = match b[1] {
+        b'b' => Kind::Bool,
+        b'i' => Kind::Int,
+        b'u' => Kind::UInt,
+        b'f' => Kind::Float,
+        b'c' => Kind::Complex,
+        _ => {
+            return Err(bad(
+                "of kind b, i, u, f or c (records, objects, datetimes and strings are not tensors)",
+            ));
+        }
+    };
+    let little = cfg!(target_endian = "little");
+    let foreign = match b[0] {
+        b'<' => !little,
+        b'>' => little,
+        _ => false,
+    };
+    if foreign && size > 1 {
+        return Err(bad("in native byte order (DLPack data is native-endian)"));
+    }
+    dtype_of(kind, size).ok_or_else(|| bad("of a supported size"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn every_numeric_format_maps() {
+        for (f, size, t) in [
+            ("?", 1, DataType::BOOL),
+            ("b", 1, DataType::INT8),
+            (">B", 1, DataType::UINT8),
+            ("<h", 2, DataType::INT16),
+            ("=H", 2, DataType::UINT16),
+            ("i", 4, DataType::INT32),
+            ("I", 4, DataType::UINT32),
+            ("l", 8, DataType::INT64),
+            ("<l", 4, DataType::INT32),
+            ("L", 8, DataType::UINT64),
+            ("q", 8, DataType::INT64),
+            ("@Q", 8, DataType::UINT64),
+            ("n", 8, DataType::INT64),
+            ("e", 2, DataType::FLOAT16),
+            ("1f", 4, DataType::FLOAT32),
+            ("d", 8, DataType::FLOAT64),
+            ("Zf", 8, DataType::COMPLEX64),
+            ("<Zd", 16, DataType::COMPLEX128),
+        ] {
+            assert_eq!(buffer_format(f, size).unwrap(), t, "{f}");
+        }
+    }
+
+    #[test]
+    fn non_tensor_formats_are_refused_naming_the_field() {
+        for (f, size) in [
+            (">f", 4),
+            ("!i", 4),
+            ("P", 8),
+            ("c", 1),
+            ("3s", 3),
+            ("T{i:x:}", 4),
+            ("O", 8),
+            ("2f", 8),
+            ("x", 1),
+            ("", 1),
+            ("<n", 8),
+            ("g", 16),
+        ] {
+            let e = buffer_format(f, size).unwrap_err().to_string();
+            assert!(e.contains("format"), "{f}: {e}");
+        }
+        let e = buffer_format("f", 8).unwrap_err().to_string();
+        assert_eq!(e, "expected itemsize 4 for format \"f\", got itemsize 8");
+    }
+
+    #[test]
+    fn typestrs() {
+        assert_eq!(typestr("|b1").unwrap(), DataType::BOOL);
+        assert_eq!(typestr("|u1").unwrap(), DataType::UINT8);
+        assert_eq!(typestr(">i1").unwrap(), DataType::INT8);
+        assert_eq!(typestr("<f2").unwrap(), DataType::FLOAT16);
+        assert_eq!(typestr("=c8").unwrap(), DataType::COMPLEX64);
+        for bad in
+            [">f4", "<V8", "|O8", "<M8", "<m8", "|S5", "<U3", "f4", "<f16", "<fx", "", "<", "<c4", "<¡"]
+        {
+            let e = typestr(bad).unwrap_err().to_string();
+            assert!(e.contains("typestr"), "{bad}: {e}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn parsers_never_panic(s in ".{0,12}", size in 0usize..40) {
+            let _ = buffer_format(&s, size);
+            let _ = typestr(&s);
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! `asdlpack`: any object that speaks an array protocol, as a [`ManagedTensor`].
+//!
+//! Sources, in order: a `dlbridge.Tensor`, a bare DLPack capsule, `__dlpack__` (the full
+//! negotiation of `from_dlpack`), the buffer protocol, `__array_interface__` (v3), and
+//! `__cuda_array_interface__` (v2, v3). Every field of the non-DLPack protocols is checked, and a
+//! refusal names the protocol, the object's type and the field.
+
+use std::ffi::CStr;
+use std::mem::MaybeUninit;
+
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use super::capsule::is_capsule;
+use super::import::{ImportOptions, from_dlpack_with};
+use crate::cuda::Driver;
+use crate::device::Device;
+use crate::dtype::DataType;
+use crate::flags::Flags;
+use crate::interface;
+use crate::managed::ManagedTensor;
+
+/// Keeps a Python object alive for as long as a tensor uses its memory; releases it with the GIL
+/// (taken if needed), and leaks it rather than touch a finalized interpreter.
+pub struct PyOwner(Option<Py<PyAny>>);
+
+impl PyOwner {
+    /// Owns a reference to `obj`.
+    pub fn new(obj: &Bound<'_, PyAny>) -> Self {
+        Self(Some(obj.clone().unbind()))
+    }
+}
+
+impl Drop for PyOwner {
+    fn drop(&mut self) {
+        if let Some(obj) = self.0.take() {
+            if Python::try_attach(|_py| drop(obj)).is_none() {
+                // The interpreter is finalizing or gone: the object cannot be released safely.
+            }
+        }
+    }
+}
+
+/// A buffer-protocol view held for as long as a tensor uses it; released with the GIL.
+struct BufferOwner(Box<ffi::Py_buffer>);
+
+// SAFETY: the view is only released (with the GIL held) in Drop; nothing else touches it.
+unsafe impl Send for BufferOwner {}
+
+impl Drop for BufferOwner {
+    fn drop(&mut self) {
+        let view: *mut ffi::Py_buffer = &mut *self.0;
+        let released = Python::try_attach(|_py| {
+            // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL.
+            unsafe { ffi::PyBuffer_Release(view) }
+        });
+        if released.is_none() {
+            // Interpreter gone: leak the view (and its reference) rather than crash.
+        }
+    }
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().fully_qualified_name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// Any array-protocol object as a tensor, with the CUDA producer stream if it declared one.
+pub struct AnyTensor {
+    /// The tensor.
+    pub tensor: ManagedTensor,
+    /// The producer's CUDA stream (`__cuda_array_interface__` v3), to be waited on by consumers.
+    pub producer_stream: Option<usize>,
+}
+
+/// Imports any object that speaks DLPack, the buffer protocol, `__array_interface__` or
+/// `__cuda_array_interface__`. `device_id` names the CUDA device of a CUDA-array-interface pointer
+/// when no CUDA driver can tell.
+pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult<AnyTensor> {
+    let py = obj.py();
+    let plain = |tensor| Ok(AnyTensor { tensor, producer_stream: None });
+    if obj.cast_exact::<super::Tensor>().is_ok()
+        || is_capsule(obj)
+        || obj.hasattr(intern!(py, "__dlpack__"))?
+    {
+        return plain(from_dlpack_with(obj, &ImportOptions::default())?);
+    }
+    // SAFETY: a type-slot check on a live object.
+    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
+        return plain(from_buffer(obj)?);
+    }
+    if let Some(ai) = obj.getattr_opt(intern!(py, "__array_interface__"))? {
+        return plain(from_array_interface(obj, &ai)?);
+    }
+    if let Some(cai) = obj.getattr_opt(intern!(py, "__cuda_array_interface__"))? {
+        return from_cuda_array_interface(obj, &cai, device_id);
+    }
+    Err(PyTypeError::new_err(format!(
+        "asdlpack: {} speaks no array protocol (no __dlpack__, buffer protocol, __array_interface__ or __cuda_array_interface__)",
+        type_name(obj)
+    )))
+}
+
+/// Takes a buffer-protocol view of `obj` (read-only request; `readonly` tells the truth).
+fn get_buffer(obj: &Bound<'_, PyAny>) -> PyResult<BufferOwner> {
+    let mut view: Box<MaybeUninit<ffi::Py_buffer>> = Box::new(MaybeUninit::zeroed());
+    // SAFETY: a zeroed Py_buffer for the exporter to fill; strides and format requested.
+    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) };
+    if rc != 0 {
+        return Err(PyErr::fetch(obj.py()));
+    }
+    // SAFETY: GetBuffer succeeded, so the view is initialised (and must be released: the owner does).
+    Ok(BufferOwner(unsafe { Box::from_raw(Box::into_raw(view).cast::<ffi::Py_buffer>()) }))
+}
+
+fn buffer_error(obj: &Bound<'_, PyAny>, msg: impl std::fmt::Display) -> PyErr {
+    PyBufferError::new_err(format!("buffer protocol of {}: {msg}", type_name(obj)))
+}
+
+fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+    let owner = get_buffer(obj)?;
+    let v = &*owner.0;
+    if !v.suboffsets.is_null() {
+        return Err(buffer_error(obj, "suboffsets (indirect, PIL-style buffers) cannot be a tensor"));
+    }
+    let format = if v.format.is_null() {
+        "B".to_owned()
+    } else {
+        // SAFETY: a NUL-terminated format string owned by the view.
+        unsafe { CStr::from_ptr(v.format) }.to_string_lossy().into_owned()
+    };
+    let itemsize = usize::try_from(v.itemsize)
+        .map_err(|_| buffer_error(obj, format!("itemsize {} is negative", v.itemsize)))?;
+    let dtype = interface::buffer_format(&format, itemsize).map_err(|e| buffer_error(obj, e))?;
+    let ndim = usize::try_from(v.ndim)
+        .ok()
+        .filter(|&n| n <= crate::MAX_NDIM)
+        .ok_or_else(|| buffer_error(obj, format!("ndim {} is out of range", v.ndim)))?;
+    if ndim > 0 && (v.shape.is_null() || v.strides.is_null()) {
+        return Err(buffer_error(obj, "shape or strides missing"));
+    }
+    // SAFETY: the exporter provides ndim shape and strides entries while the view lives.
+    let (shape, strides) = unsafe {
+        if ndim == 0 {
+            (&[][..], &[][..])
+        } else {
+            (std::slice::from_raw_parts(v.shape, ndim), std::slice::from_raw_parts(v.strides, ndim))
+        }
+    };
+    let mut elem_strides = Vec::with_capacity(ndim);
+    for (axis, &s) in strides.iter().enumerate() {
+        if itemsize == 0 || s % itemsize as isize != 0 {
+            return Err(buffer_error(
+                obj,
+                format!("strides[{axis}] = {s} bytes is not a multiple of the item size {itemsize}"),
+            ));
+        }
+        elem_strides.push((s / itemsize as isize) as i64);
+    }
+    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    let numel = crate::layout::element_count(&shape).map_err(|e| buffer_error(obj, e))?;
+    if numel.checked_mul(itemsize as u64) != Some(v.len as u64) {
+        return Err(buffer_error(
+            obj,
+            format!("len {} does not match shape {:?} of {itemsize}-byte items", v.len, shape),
+        ));
+    }
+    let flags = Flags::NONE.with(Flags::READ_ONLY, v.readonly != 0);
+    let data = v.buf;
+    // SAFETY: the view's memory (data, shape, strides as the exporter describes them) stays valid
+    // while `owner` holds the view; writable only if the exporter said so.
+    let t = unsafe {
+        ManagedTensor::from_raw_parts(data, Device::CPU, dtype, &shape, Some(&elem_strides), 0, flags, owner)
+    };
+    t.map_err(|e| buffer_error(obj, e))
+}
+
+/// Reads `d[key]`, or `None` when absent.
+fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    d.get_item(key)
+}
+
+/// The fields `__array_interface__` and `__cuda_array_interface__` share, parsed.
+struct Interface<'py> {
+    dict: Bound<'py, PyDict>,
+    dtype: DataType,
+    shape: Vec<i64>,
+    /// In elements.
+    strides: Option<Vec<i64>>,
+}
+
+/// Parses the fields `__array_interface__` and `__cuda_array_interface__` share.
+fn interface_fields<'py>(
+    obj: &Bound<'py, PyAny>,
+    proto: &str,
+    raw: &Bound<'py, PyAny>,
+    versions: &[i64],
+) -> PyResult<Interface<'py>> {
+    let who = || format!("{proto} of {}", type_name(obj));
+    let wrong = |field: &str, want: &str, got: &Bound<'_, PyAny>| {
+        PyTypeError::new_err(format!(
+            "{}: '{field}' must be {want}, got {}",
+            who(),
+            got.repr().map(|r| r.to_string()).unwrap_or_else(|_| type_name(got))
+        ))
+    };
+    let d = raw.cast::<PyDict>().map_err(|_| wrong("(the interface itself)", "a dict", raw))?.clone();
+    let version = item(&d, "version")?
+        .ok_or_else(|| PyValueError::new_err(format!("{}: 'version' is missing", who())))?;
+    let v: i64 = version.extract().map_err(|_| wrong("version", "an int", &version))?;
+    if !versions.contains(&v) {
+        return Err(PyValueError::new_err(format!(
+            "{}: 'version' {v} is not supported (supported: {versions:?})",
+            who()
+        )));
+    }
+    let ts = item(&d, "typestr")?
+        .ok_or_else(|| PyValueError::new_err(format!("{}: 'typestr' is missing", who())))?;
+    let ts_s: String = ts.extract().map_err(|_| wrong("typestr", "a str", &ts))?;
+    let dtype = interface::typestr(&ts_s).map_err(|e| PyBufferError::new_err(format!("{}: {e}", who())))?;
+    if let Some(descr) = item(&d, "descr")? {
+        let ok =
+            descr.cast::<PyList>().ok().filter(|l| l.len() == 1).and_then(|l| l.get_item(0).ok()).and_then(
+                |f| {
+                    let (name, t): (String, String) = f.extract().ok()?;
+                    Some(name.is_empty() && t == ts_s)
+                },
+            );
+        if ok != Some(true) {
+            return Err(PyBufferError::new_err(format!(
+                "{}: 'descr' {} is not consistent with typestr {ts_s:?} (structured dtypes are not tensors)",
+                who(),
+                descr.repr()?
+            )));
+        }
+    }
+    let shape_o =
+        item(&d, "shape")?.ok_or_else(|| PyValueError::new_err(format!("{}: 'shape' is missing", who())))?;
+    let shape: Vec<i64> = shape_o
+        .cast::<PyTuple>()
+        .ok()
+        .and_then(|t| t.extract().ok())
+        .ok_or_else(|| wrong("shape", "a tuple of ints", &shape_o))?;
+    let itemsize = dtype.itemsize().unwrap_or(1) as i64;
+    let strides = match item(&d, "strides")? {
+        None => None,
+        Some(s) if s.is_none() => None,
+        Some(s) => {
+            let bytes: Vec<i64> = s
+                .cast::<PyTuple>()
+                .ok()
+                .and_then(|t| t.extract().ok())
+                .ok_or_else(|| wrong("strides", "None or a tuple of ints", &s))?;
+            if bytes.len() != shape.len() {
+                return Err(PyValueError::new_err(format!(
+                    "{}: 'strides' has {} entries for {} dimensions",
+                    who(),
+                    bytes.len(),
+                    shape.len()
+                )));
+            }
+            let mut out = Vec::with_capacity(bytes.len());
+            for (axis, b) in bytes.iter().enumerate() {
+                if b % itemsize != 0 {
+                    return Err(PyBufferError::new_err(format!(
+                        "{}: 'strides'[{axis}] = {b} bytes is not a multiple of the item size {itemsize}",
+                        who()
+                    )));
+                }
+                out.push(b / itemsize);
+            }
+            Some(out)
+        }
+    };
+    if let Some(m) = item(&d, "mask")? {
+        if !m.is_none() {
+            return Err(PyBufferError::new_err(format!(
+                "{}: 'mask' is set; masked arrays cannot be a tensor",
+                who()
+            )));
+        }
+    }
+    Ok(Interface { dict: d, dtype, shape, strides })
+}
+
+/// Reads `data` as `(pointer, readonly)`.
+fn pointer_pair(who: &str, data: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
+    let bad = || {
+        PyTypeError::new_err(format!(
+            "{who}: 'data' must be a (pointer, readonly) tuple of an int and a bool, got {}",
+            data.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    };
+    let t = data.cast::<PyTuple>().map_err(|_| bad())?;
+    if t.len() != 2 {
+        return Err(bad());
+    }
+    let p = t.get_item(0)?;
+    let ptr: i128 = p.extract().map_err(|_| bad())?;
+    let ptr = usize::try_from(ptr)
+        .map_err(|_| PyValueError::new_err(format!("{who}: 'data' pointer {ptr} is not an address")))?;
+    let ro: bool = t.get_item(1)?.extract().map_err(|_| bad())?;
+    Ok((ptr, ro))
+}
+
+fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+    let who = format!("__array_interface__ of {}", type_name(obj));
+    let Interface { dict: d, dtype, shape, strides } =
+        interface_fields(obj, "__array_interface__", ai, &[3])?;
+    let offset = match item(&d, "offset")? {
+        None => 0usize,
+        Some(o) => o
+            .extract::<usize>()
+            .map_err(|_| PyTypeError::new_err(format!("{who}: 'offset' must be a non-negative int")))?,
+    };
+    let data = item(&d, "data")?;
+    let to_err = |e: crate::Error| PyBufferError::new_err(format!("{who}: {e}"));
+    match data {
+        Some(data) if data.is_instance_of::<PyTuple>() => {
+            let (ptr, ro) = pointer_pair(&who, &data)?;
+            if offset != 0 {
+                return Err(PyValueError::new_err(format!(
+                    "{who}: 'offset' applies only when 'data' is a buffer, not a pointer"
+                )));
+            }
+            let flags = Flags::NONE.with(Flags::READ_ONLY, ro);
+            // SAFETY: the interface promises the memory is valid while `obj` lives; the owner
+            // keeps `obj` alive. The layout is validated (overflow, NULL with elements).
+            unsafe {
+                ManagedTensor::from_raw_parts(
+                    ptr as *mut _,
+                    Device::CPU,
+                    dtype,
+                    &shape,
+                    strides.as_deref(),
+                    0,
+                    flags,
+                    PyOwner::new(obj),
+                )
+            }
+            .map_err(to_err)
+        }
+        other => {
+            // 'data' is an object exposing the buffer protocol, or None: the object itself does.
+            let src = match &other {
+                Some(o) if !o.is_none() => o.clone(),
+                _ => obj.clone(),
+            };
+            // SAFETY: a type-slot check on a live object.
+            if unsafe { ffi::PyObject_CheckBuffer(src.as_ptr()) } != 1 {
+                return Err(PyTypeError::new_err(format!(
+                    "{who}: 'data' must be a (pointer, readonly) tuple or an object with the buffer protocol, got {}",
+                    type_name(&src)
+                )));
+            }
+            let view = get_buffer(&src)?;
+            let base = view.0.buf as usize;
+            let len = view.0.len as usize;
+            let ro = view.0.readonly != 0;
+            if offset > len {
+                return Err(PyValueError::new_err(format!(
+                    "{who}: 'offset' {offset} is past the buffer's {len} bytes"
+                )));
+            }
+            let numel = crate::layout::element_count(&shape).map_err(to_err)?;
+            let need = match (&strides, numel) {
+                (_, 0) => 0,
+                (None, n) => n as i128 * dtype.itemsize().unwrap_or(1) as i128,
+                (Some(s), _) => {
+                    let (lo, hi) =
+                        crate::layout::byte_span(&shape, s, dtype.storage_bits(false)).map_err(to_err)?;
+                    if (offset as i128) + (lo as i128) < 0 {
+                        return Err(PyValueError::new_err(format!(
+                            "{who}: the layout reaches before the buffer"
+                        )));
+                    }
+                    hi as i128
+                }
+            };
+            if offset as i128 + need > len as i128 {
+                return Err(PyValueError::new_err(format!(
+                    "{who}: the layout needs {need} bytes from offset {offset}, the buffer has {len}"
+                )));
+            }
+            let flags = Flags::NONE.with(Flags::READ_ONLY, ro);
+            // SAFETY: the layout was checked to stay inside the buffer view, which the owner holds.
+            unsafe {
+                ManagedTensor::from_raw_parts(
+                    (base + offset) as *mut _,
+                    Device::CPU,
+                    dtype,
+                    &shape,
+                    strides.as_deref(),
+                    0,
+                    flags,
+                    (view, PyOwner::new(obj)),
+                )
+            }
+            .map_err(to_err)
+        }
+    }
+}
+
+fn from_cuda_array_interface(
+    obj: &Bound<'_, PyAny>,
+    cai: &Bound<'_, PyAny>,
+    device_id: Option<i32>,
+) -> PyResult<AnyTensor> {
+    let who = format!("__cuda_array_interface__ of {}", type_name(obj));
+    let Interface { dict: d, dtype, shape, strides } =
+        interface_fields(obj, "__cuda_array_interface__", cai, &[2, 3])?;
+    let data = item(&d, "data")?.ok_or_else(|| PyValueError::new_err(format!("{who}: 'data' is missing")))?;
+    let (ptr, ro) = pointer_pair(&who, &data)?;
+    let producer_stream =
+        match item(&d, "stream")? {
+            None => None,
+            Some(s) if s.is_none() => None,
+            Some(s) => {
+                let v: i64 = s
+                    .extract()
+                    .map_err(|_| PyTypeError::new_err(format!("{who}: 'stream' must be None or an int")))?;
+                if v == 0 {
+                    return Err(PyValueError::new_err(format!(
+                        "{who}: 'stream' 0 is disallowed (ambiguous); use 1 or 2 for default streams"
+                    )));
+                }
+                Some(usize::try_from(v).map_err(|_| {
+                    PyValueError::new_err(format!("{who}: 'stream' {v} is not a stream handle"))
+                })?)
+            }
+        };
+    let numel =
+        crate::layout::element_count(&shape).map_err(|e| PyBufferError::new_err(format!("{who}: {e}")))?;
+    let (id, managed) = match device_id {
+        Some(id) => (id, false),
+        None if numel == 0 || ptr == 0 => (0, false),
+        None => Driver::get().and_then(|drv| drv.pointer_device(ptr)).map_err(|why| {
+            PyBufferError::new_err(format!(
+                "{who}: cannot tell which CUDA device pointer {ptr:#x} is on ({why}); pass device_id= to asdlpack"
+            ))
+        })?,
+    };
+    let device = if managed { Device::new(crate::DeviceType::CUDA_MANAGED, id) } else { Device::cuda(id) };
+    let flags = Flags::NONE.with(Flags::READ_ONLY, ro);
+    // SAFETY: the interface promises the device memory is valid while `obj` lives; the owner keeps
+    // it alive; the pointer is recorded, never dereferenced on the host.
+    let tensor = unsafe {
+        ManagedTensor::from_raw_parts(
+            ptr as *mut _,
+            device,
+            dtype,
+            &shape,
+            strides.as_deref(),
+            0,
+            flags,
+            PyOwner::new(obj),
+        )
+    }
+    .map_err(|e| PyBufferError::new_err(format!("{who}: {e}")))?;
+    Ok(AnyTensor { tensor, producer_stream })
+}

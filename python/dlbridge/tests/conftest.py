@@ -1,0 +1,5 @@
+"""Markers for the shipped test suite."""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where none is present")
