@@ -12,7 +12,7 @@ MATURIN := VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin
 # One interpreter for every build (cargo and maturin), so pyo3 is configured once.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: demo demo-abi test lint rust-test docs valgrind develop py-test stubs clean
+.PHONY: demo demo-abi test lint rust-test docs valgrind develop py-test stubs bench clean
 
 demo: develop
 	cd /tmp && $(PY) $(CURDIR)/examples/demo.py
@@ -56,6 +56,18 @@ py-test: develop
 # The .pyi stubs must match the compiled module.
 stubs: develop
 	cd /tmp && $(PY) -m mypy.stubtest dlbridge._dlbridge --mypy-config-file $(CURDIR)/pyproject.toml
+
+# Side-by-side benchmarks (release builds of dlbridge and of the peer shims), criterion benchmarks of
+# the Rust core, callgrind instruction counts; writes docs/BENCHMARKS.md and docs/bench_sizes.png.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -r bench/requirements-bench.txt
+	$(MATURIN) develop --release --quiet
+	cd bench/shim-dlbridge && $(MATURIN) develop --release --quiet
+	cd bench/shim-pyo3-dlpack && $(MATURIN) develop --release --quiet
+	cd bench/shim-dlpark && $(MATURIN) develop --release --quiet
+	@command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
+	mkdir -p bench/rust-core/target && cd bench/rust-core && $(CARGO) bench --bench core -- --warm-up-time 1 --measurement-time 3 2>&1 | tee target/criterion.txt
+	cd /tmp && $(PY) $(CURDIR)/bench/bench.py
 
 clean:
 	$(CARGO) clean

@@ -14,6 +14,8 @@ __all__ = [
     "asdlpack",
     "_drop_on_native_thread",
     "_cuda_driver_available",
+    "_numpy_fast_path",
+    "_view",
     "__dlpack_version__",
     "int8",
     "int16",
@@ -100,6 +102,8 @@ class Device:
 class Tensor:
     """A DLPack tensor owned by dlbridge; every DLPack consumer accepts it, as often as asked."""
 
+    __dlpack_c_exchange_api__: Final[Any]
+
     def __dlpack__(
         self,
         *,
@@ -185,3 +189,5 @@ float4_e2m1fn_x2: Final[DType]
 
 def _drop_on_native_thread(x: Any) -> None: ...
 def _cuda_driver_available() -> builtins.bool: ...
+def _numpy_fast_path() -> builtins.bool: ...
+def _view(x: Any) -> tuple[int, list[int], list[int], str, builtins.bool]: ...

@@ -55,9 +55,9 @@ impl DeviceType {
         NAMES.iter().find(|(t, _)| *t == self).map(|(_, n)| *n)
     }
 
-    /// Whether DLPack 1.3 names this device type.
-    pub fn is_known(self) -> bool {
-        self.name().is_some()
+    /// Whether DLPack 1.3 names this device type (1-4 and 7-18).
+    pub const fn is_known(self) -> bool {
+        matches!(self.0, 1..=4 | 7..=18)
     }
 
     /// Whether the CPU can read and write this memory directly: plain host memory, CUDA or ROCm
@@ -185,6 +185,9 @@ mod tests {
     fn unknown_types_print_their_value_and_bad_names_are_refused() {
         assert_eq!(Device::new(DeviceType(20), 0).to_string(), "device_type(20):0");
         assert!(!DeviceType(20).is_known());
+        for v in -2..40 {
+            assert_eq!(DeviceType(v).is_known(), DeviceType(v).name().is_some(), "{v}");
+        }
         for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
             let err = bad.parse::<Device>().unwrap_err().to_string();
             assert!(err.contains(&format!("{bad:?}")), "{err}");

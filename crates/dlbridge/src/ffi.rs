@@ -267,6 +267,12 @@ pub struct DLPackExchangeAPI {
     pub current_work_stream: DLPackCurrentWorkStream,
 }
 
+// SAFETY: an exchange table is an immutable, process-lifetime static by the standard's rules: its
+// function pointers and `prev_api` link are only read, from any thread.
+unsafe impl Sync for DLPackExchangeAPI {}
+// SAFETY: as above.
+unsafe impl Sync for DLPackExchangeAPIHeader {}
+
 #[cfg(target_pointer_width = "64")]
 const _: () = {
     use std::mem::{align_of, offset_of, size_of};

@@ -18,22 +18,28 @@ use crate::error::{Error, Result};
 /// The number of elements of `shape`; every extent must be non-negative and the product must fit
 /// in `isize`.
 pub fn element_count(shape: &[i64]) -> Result<u64> {
+    // One pass: a negative extent is an error wherever it is; a zero anywhere makes the count 0
+    // (and then an overflowing product of the other extents is irrelevant).
     let mut n: u64 = 1;
+    let mut overflow = false;
+    let mut zero = false;
     for (axis, &d) in shape.iter().enumerate() {
         if d < 0 {
             return Err(Error::NegativeDim { axis, value: d });
         }
+        zero |= d == 0;
+        match n.checked_mul(d as u64) {
+            Some(m) if m <= isize::MAX as u64 => n = m,
+            _ => overflow = true,
+        }
     }
-    if shape.contains(&0) {
-        return Ok(0);
+    if zero {
+        Ok(0)
+    } else if overflow {
+        Err(Error::ElementCountOverflow { shape: shape.to_vec() })
+    } else {
+        Ok(n)
     }
-    for &d in shape {
-        n = n
-            .checked_mul(d as u64)
-            .filter(|&n| n <= isize::MAX as u64)
-            .ok_or_else(|| Error::ElementCountOverflow { shape: shape.to_vec() })?;
-    }
-    Ok(n)
 }
 
 /// Compact row-major (C order) strides for `shape`. Exact whenever the element count fits in

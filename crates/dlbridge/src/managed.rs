@@ -25,6 +25,10 @@ pub const MAX_NDIM: usize = 64;
 pub(crate) enum Raw {
     Legacy(NonNull<DLManagedTensor>),
     Versioned(NonNull<DLManagedTensorVersioned>),
+    /// A plain `DLTensor` owned by someone else for the duration of a borrow (a
+    /// [`crate::python::TensorView`]); never deleted, never given out by value.
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
+    Borrowed(NonNull<DLTensor>),
 }
 
 impl Raw {
@@ -50,6 +54,7 @@ impl Raw {
                     unsafe { d(p.as_ptr()) }
                 }
             }
+            Raw::Borrowed(_) => {}
         }
     }
 }
@@ -135,6 +140,19 @@ impl ManagedTensor {
         })
     }
 
+    /// A non-owning handle over a plain `DLTensor` that someone else keeps alive, validated like
+    /// any foreign tensor. Crate-private: only [`crate::python::TensorView`] makes one, and never
+    /// lets it out by value.
+    ///
+    /// # Safety
+    ///
+    /// `t` and everything it points to stay valid and unmoved while the result lives.
+    #[cfg(feature = "python")]
+    pub(crate) unsafe fn borrowed(t: NonNull<DLTensor>, flags: Flags) -> Result<Self> {
+        // SAFETY: the caller's promise; nothing to delete on refusal.
+        unsafe { Self::validate(Raw::Borrowed(t), t.as_ref(), flags) }
+    }
+
     /// Checks every field of `t`; the caller deletes `raw` on error.
     ///
     /// # Safety
@@ -197,6 +215,7 @@ impl ManagedTensor {
             match self.raw {
                 Raw::Legacy(p) => &(*p.as_ptr()).dl_tensor,
                 Raw::Versioned(p) => &(*p.as_ptr()).dl_tensor,
+                Raw::Borrowed(p) => p.as_ref(),
             }
         }
     }
@@ -252,7 +271,7 @@ impl ManagedTensor {
     /// The producer's ABI version, `None` for a legacy tensor.
     pub fn version(&self) -> Option<Version> {
         match self.raw {
-            Raw::Legacy(_) => None,
+            Raw::Legacy(_) | Raw::Borrowed(_) => None,
             // SAFETY: the struct is live.
             Raw::Versioned(p) => Some(Version::from(unsafe { (*p.as_ptr()).version })),
         }
@@ -320,6 +339,7 @@ impl ManagedTensor {
         drop(self.own_strides.take());
         let out = match self.raw {
             Raw::Legacy(p) => RawManagedTensor::Legacy(p.as_ptr()),
+            Raw::Borrowed(_) => unreachable!("a borrowed tensor is never held by value outside TensorView"),
             Raw::Versioned(p) => {
                 // SAFETY: we own the live struct until this very moment.
                 unsafe { (*p.as_ptr()).flags = self.flags.0 };

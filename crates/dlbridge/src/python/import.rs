@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 
+use super::cache;
 use super::capsule::{consume, is_capsule};
 use super::tensor::Tensor;
 use super::types::extract_device;
@@ -85,38 +86,46 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
         let mt = consume(obj, &|| "from_dlpack".to_owned())?;
         return finish(mt, opts, true);
     }
-    let Some(method) = obj.getattr_opt(intern!(py, "__dlpack__"))? else {
+    let plain =
+        opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
+    if plain {
+        if let Some(t) = from_numpy(obj)? {
+            return finish(t, opts, false);
+        }
+    }
+    let ty = obj.get_type();
+    let info = cache::type_info(&ty)?;
+    // The C exchange API: no Python call at all. Its export does not synchronise streams, which the
+    // standard allows only where there is nothing to synchronise: host memory, no stream asked.
+    if let Some(api) = info.exchange {
+        if plain {
+            let mt = api.managed_tensor(obj)?;
+            if mt.device() == Device::CPU {
+                return finish(mt, opts, false);
+            }
+            // Device memory: release it and take the protocol path, which handles streams.
+        }
+    }
+    if !info.dlpack && !obj.hasattr(intern!(py, "__dlpack__"))? {
         return Err(PyTypeError::new_err(format!(
             "from_dlpack: {} does not support DLPack (it has no __dlpack__ method and is not a DLPack capsule)",
             type_name(obj)
         )));
-    };
+    }
+    // Asked first, as the standard says (it is how a consumer picks a stream), and checked against
+    // the capsule below. The hot producers (numpy, torch) never reach this path.
     let announced = producer_device(obj)?;
-    let kwargs = PyDict::new(py);
-    kwargs.set_item(intern!(py, "max_version"), max_version(py)?)?;
-    if let Some(s) = &opts.stream {
-        kwargs.set_item(intern!(py, "stream"), s)?;
-    }
-    if let Some(d) = opts.device {
-        kwargs.set_item(intern!(py, "dl_device"), (d.device_type().0, d.id()))?;
-    }
-    if let Some(c) = opts.copy {
-        kwargs.set_item(intern!(py, "copy"), c)?;
-    }
-    let (capsule, legacy_call) = match method.call((), Some(&kwargs)) {
-        Ok(c) => (c, false),
-        Err(e) if rejects_keywords(py, &e) => {
-            let c = match &opts.stream {
-                Some(s) => {
-                    let kw = PyDict::new(py);
-                    kw.set_item(intern!(py, "stream"), s)?;
-                    method.call((), Some(&kw))?
-                }
-                None => method.call0()?,
-            };
-            (c, true)
+    let (capsule, legacy_call) = if info.legacy {
+        (call_legacy(obj, opts)?, true)
+    } else {
+        match call_dlpack(obj, opts) {
+            Ok(c) => (c, false),
+            Err(e) if rejects_keywords(py, &e) => {
+                cache::mark_legacy(&ty);
+                (call_legacy(obj, opts)?, true)
+            }
+            Err(e) => return Err(e),
         }
-        Err(e) => return Err(e),
     };
     let mt = consume(&capsule, &|| format!("the object returned by {}.__dlpack__()", type_name(obj)))?;
     if let Some(a) = announced {
@@ -132,6 +141,98 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
         }
     }
     finish(mt, opts, legacy_call)
+}
+
+/// A numpy array read through its struct (see [`super::numpy`]), owning a reference to it; `None`
+/// when `obj` is not a numpy array, the fast path is off, or the layout needs numpy's own refusal.
+fn from_numpy(obj: &Bound<'_, PyAny>) -> PyResult<Option<ManagedTensor>> {
+    let Some(p) = super::numpy::parts(obj) else { return Ok(None) };
+    let mut strides = [0i64; crate::MAX_NDIM];
+    let strides = &mut strides[..p.shape.len()];
+    if !super::numpy::element_strides(&p, strides) {
+        return Ok(None);
+    }
+    let mut shape = [0i64; crate::MAX_NDIM];
+    let shape = &mut shape[..p.shape.len()];
+    for (d, &s) in shape.iter_mut().zip(p.shape) {
+        *d = s as i64;
+    }
+    let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);
+    // SAFETY: numpy's own description of the array's memory, which the owner keeps alive.
+    let t = unsafe {
+        ManagedTensor::from_raw_parts(
+            p.data,
+            Device::CPU,
+            p.dtype,
+            shape,
+            Some(strides),
+            0,
+            flags,
+            super::PyOwner::new(obj),
+        )
+    }?;
+    Ok(Some(t))
+}
+
+/// Interned keyword names, made once: `("max_version",)` for the common call.
+static KW_MAX_VERSION: PyOnceLock<Py<PyTuple>> = PyOnceLock::new();
+
+/// `obj.__dlpack__(max_version=(1, 3), [stream=], [dl_device=], [copy=])` by vectorcall.
+fn call_dlpack<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let mut args: Vec<*mut pyo3::ffi::PyObject> = Vec::new();
+    let plain = opts.stream.is_none() && opts.device.is_none() && opts.copy.is_none();
+    let mv = max_version(py)?;
+    let mut extra: Vec<Bound<'py, PyAny>> = Vec::new();
+    let kwnames = if plain {
+        KW_MAX_VERSION
+            .get_or_try_init(py, || PyTuple::new(py, [intern!(py, "max_version")]).map(Bound::unbind))?
+            .bind(py)
+            .clone()
+    } else {
+        let mut names = vec![intern!(py, "max_version").clone()];
+        if let Some(s) = &opts.stream {
+            names.push(intern!(py, "stream").clone());
+            extra.push(s.clone());
+        }
+        if let Some(d) = opts.device {
+            names.push(intern!(py, "dl_device").clone());
+            extra.push((d.device_type().0, d.id()).into_pyobject(py)?.into_any());
+        }
+        if let Some(c) = opts.copy {
+            names.push(intern!(py, "copy").clone());
+            extra.push(pyo3::types::PyBool::new(py, c).to_owned().into_any());
+        }
+        PyTuple::new(py, names)?
+    };
+    args.push(obj.as_ptr());
+    args.push(mv.as_ptr());
+    args.extend(extra.iter().map(|e| e.as_ptr()));
+    // SAFETY: `args` holds self then one value per keyword name, all borrowed and alive for the
+    // call; nargsf counts self only; the result is a new reference or NULL with an exception.
+    unsafe {
+        let r = pyo3::ffi::PyObject_VectorcallMethod(
+            intern!(py, "__dlpack__").as_ptr(),
+            args.as_ptr(),
+            1,
+            kwnames.as_ptr(),
+        );
+        Bound::from_owned_ptr_or_err(py, r)
+    }
+}
+
+/// The pre-2023 call: `obj.__dlpack__()` or `obj.__dlpack__(stream=...)`.
+fn call_legacy<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let method = obj.getattr(intern!(py, "__dlpack__"))?;
+    match &opts.stream {
+        Some(s) => {
+            let kw = PyDict::new(py);
+            kw.set_item(intern!(py, "stream"), s)?;
+            method.call((), Some(&kw))
+        }
+        None => method.call0(),
+    }
 }
 
 /// Applies what the producer could not: read-only for legacy tensors, the device check, and a

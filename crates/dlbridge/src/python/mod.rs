@@ -19,21 +19,27 @@
 //! }
 //! ```
 
+mod cache;
 mod capsule;
+mod exchange;
 mod import;
+mod numpy;
 mod protocols;
 mod tensor;
 mod types;
+mod view;
 
 use pyo3::prelude::*;
 
 pub use capsule::{
     DLTENSOR, DLTENSOR_VERSIONED, USED_DLTENSOR, USED_DLTENSOR_VERSIONED, consume, is_capsule,
 };
+pub use exchange::{EXCHANGE_API_CAPSULE, ExchangeApi, TENSOR_EXCHANGE_API};
 pub use import::{ImportOptions, from_dlpack_with};
 pub use protocols::{AnyTensor, PyOwner, asdlpack_with};
 pub use tensor::Tensor;
 pub use types::{PyDType, PyDevice, device_type_enum, device_type_member};
+pub use view::TensorView;
 
 use crate::dtype::DataType;
 
@@ -68,6 +74,19 @@ fn _cuda_driver_available() -> bool {
     crate::cuda::Driver::get().is_ok()
 }
 
+/// Whether the verified numpy struct fast path is on in this process (tests and benchmarks).
+#[pyfunction]
+fn _numpy_fast_path() -> bool {
+    numpy::fast_path_enabled()
+}
+
+/// Test hook: what a borrowed [`TensorView`] of `x` sees, as
+/// `(data_ptr, shape, strides, dtype name, readonly)`.
+#[pyfunction]
+fn _view(x: TensorView<'_>) -> (usize, Vec<i64>, Vec<i64>, String, bool) {
+    (x.data_ptr() as usize, x.shape().to_vec(), x.strides().to_vec(), x.dtype().to_string(), x.is_read_only())
+}
+
 /// Test hook: imports `x`, then drops the imported tensor on a new native thread that never held
 /// the GIL, while this thread has released it. The producer's deleter must cope (take the GIL
 /// itself); the test checks it ran.
@@ -90,6 +109,8 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(asdlpack, m)?)?;
     m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
+    m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
+    m.add_function(wrap_pyfunction!(_view, m)?)?;
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
         m.add(t.to_string().as_str(), PyDType(t))?;

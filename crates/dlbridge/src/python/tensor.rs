@@ -10,6 +10,7 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyAttributeError, PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyTuple};
 
 use super::capsule::{legacy_capsule, versioned_capsule};
@@ -24,6 +25,8 @@ use crate::managed::ManagedTensor;
 #[pyclass(module = "dlbridge", name = "Tensor", frozen)]
 pub struct Tensor {
     inner: Arc<ManagedTensor>,
+    /// `__dlpack_device__`'s tuple, made on first call.
+    device_tuple: PyOnceLock<Py<PyTuple>>,
     /// The CUDA stream the producer's work is queued on (`__cuda_array_interface__` v3): consumers
     /// asking for a stream are made to wait on it.
     producer_stream: Option<usize>,
@@ -32,12 +35,12 @@ pub struct Tensor {
 impl Tensor {
     /// Wraps a tensor.
     pub fn new(t: ManagedTensor) -> Self {
-        Self { inner: Arc::new(t), producer_stream: None }
+        Self { inner: Arc::new(t), device_tuple: PyOnceLock::new(), producer_stream: None }
     }
 
     /// Wraps a tensor whose producer queues work on CUDA stream `stream`.
     pub fn with_producer_stream(t: ManagedTensor, stream: Option<usize>) -> Self {
-        Self { inner: Arc::new(t), producer_stream: stream }
+        Self { inner: Arc::new(t), device_tuple: PyOnceLock::new(), producer_stream: stream }
     }
 
     /// The shared tensor.
@@ -99,6 +102,21 @@ fn parse_max_version(v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<(i64, i64)
     let Some(v) = v else { return Ok(None) };
     if v.is_none() {
         return Ok(None);
+    }
+    // Fast path for the common exact `(int, int)` tuple, without the generic extraction.
+    // SAFETY: exact-type checks on live objects, then borrowed reads of a 2-tuple's items.
+    unsafe {
+        let p = v.as_ptr();
+        if ffi::PyTuple_CheckExact(p) == 1 && ffi::PyTuple_GET_SIZE(p) == 2 {
+            let (a, b) = (ffi::PyTuple_GET_ITEM(p, 0), ffi::PyTuple_GET_ITEM(p, 1));
+            if ffi::PyLong_CheckExact(a) == 1 && ffi::PyLong_CheckExact(b) == 1 {
+                let (a, b) = (ffi::PyLong_AsLongLong(a), ffi::PyLong_AsLongLong(b));
+                if !(a == -1 || b == -1) || ffi::PyErr_Occurred().is_null() {
+                    return Ok(Some((a, b)));
+                }
+                ffi::PyErr_Clear();
+            }
+        }
     }
     let ok = v.cast::<PyTuple>().ok().filter(|t| t.len() == 2).and_then(|t| t.extract::<(i64, i64)>().ok());
     ok.map(Some).ok_or_else(|| {
@@ -174,6 +192,13 @@ impl Tensor {
 
 #[pymethods]
 impl Tensor {
+    /// The DLPack 1.3 C exchange table (a `"dlpack_exchange_api"` capsule): consumers that read it
+    /// take dlbridge tensors without calling into Python.
+    #[classattr]
+    fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(super::exchange::tensor_exchange_capsule(py)?.unbind())
+    }
+
     /// Exports a DLPack capsule, per the array API standard: a versioned (1.3) capsule when
     /// `max_version` is at least `(1, 0)`, a legacy one otherwise. A read-only tensor refuses a
     /// legacy capsule (it cannot say read-only), unless the tensor itself came from a legacy
@@ -227,7 +252,10 @@ impl Tensor {
 
     /// `(DeviceType, id)`.
     fn __dlpack_device__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        dlpack_device_tuple(py, self.inner.device())
+        let t = self
+            .device_tuple
+            .get_or_try_init(py, || dlpack_device_tuple(py, self.inner.device()).map(Bound::unbind))?;
+        Ok(t.bind(py).clone())
     }
 
     /// Extents.

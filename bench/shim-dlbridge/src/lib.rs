@@ -1,0 +1,110 @@
+//! Benchmark shim: the operations the Python benchmark times, done with dlbridge. The peer shims
+//! (bench/shim-pyo3-dlpack, bench/shim-dlpark) expose the same functions with their crates.
+
+use std::sync::{Arc, OnceLock};
+
+use dlbridge::python::TensorView;
+use dlbridge::{AlignedBuffer, ManagedTensor};
+use pyo3::prelude::*;
+
+/// Owned import: import, read the data pointer, drop (the producer's deleter runs here).
+#[pyfunction]
+fn import_ptr(t: ManagedTensor) -> usize {
+    t.data_ptr() as usize
+}
+
+/// Borrowed view for the duration of the call: read the data pointer.
+#[pyfunction]
+fn view_ptr(t: TensorView<'_>) -> usize {
+    t.data_ptr() as usize
+}
+
+/// torch's own cost, for reference: its exchange table's owning export and deleter, with no
+/// validation and nothing else (what any consumer of torch's table pays at least).
+#[pyfunction]
+fn torch_floor_owned(x: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let api =
+        dlbridge::python::ExchangeApi::of_type(&x.get_type())?.expect("torch publishes an exchange table");
+    let f = api.0.managed_tensor_from_py_object_no_sync.expect("checked");
+    let mut out = std::ptr::null_mut();
+    // SAFETY: a torch tensor, the GIL held, a writable out-pointer.
+    assert_eq!(unsafe { f(x.as_ptr().cast(), &mut out) }, 0);
+    // SAFETY: an owning pointer from torch, read then deleted once.
+    unsafe {
+        let p = (*out).dl_tensor.data as usize;
+        ((*out).deleter.expect("torch sets a deleter"))(out);
+        Ok(p)
+    }
+}
+
+/// torch's own cost of a borrowed `DLTensor` (`dltensor_from_py_object_no_sync`), no validation.
+#[pyfunction]
+fn torch_floor_view(x: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let api =
+        dlbridge::python::ExchangeApi::of_type(&x.get_type())?.expect("torch publishes an exchange table");
+    let f = api.0.dltensor_from_py_object_no_sync.expect("torch has it");
+    let mut t = std::mem::MaybeUninit::<dlbridge::ffi::DLTensor>::zeroed();
+    // SAFETY: a torch tensor, the GIL held, a writable DLTensor.
+    assert_eq!(unsafe { f(x.as_ptr().cast(), t.as_mut_ptr()) }, 0);
+    // SAFETY: filled by torch.
+    Ok(unsafe { t.assume_init() }.data as usize)
+}
+
+/// The floor: a trivial function taking one object.
+#[pyfunction]
+fn noop(_x: &Bound<'_, PyAny>) -> usize {
+    0
+}
+
+/// A fresh `vec![0f32; n]` exported as a dlbridge.Tensor.
+#[pyfunction]
+fn export_fresh(n: usize) -> PyResult<ManagedTensor> {
+    Ok(ManagedTensor::from_vec(vec![0f32; n], &[n])?)
+}
+
+/// A fresh 256-byte-aligned buffer of `n` float32, every page written (resident), exported.
+#[pyfunction]
+fn export_fresh_aligned(n: usize) -> PyResult<ManagedTensor> {
+    let mut buf = AlignedBuffer::<f32>::zeroed(n);
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = i as f32;
+    }
+    Ok(ManagedTensor::from_host(buf, &[n])?)
+}
+
+/// Shared buffers by size.
+type SharedBySize = std::sync::Mutex<Vec<(usize, Arc<ManagedTensor>)>>;
+
+static SHARED: OnceLock<SharedBySize> = OnceLock::new();
+
+/// A shared Rust buffer of `n` float32 (made once per size, 256-byte aligned) exported again: the
+/// timed export allocates no data.
+#[pyfunction]
+fn export_shared(n: usize) -> PyResult<ManagedTensor> {
+    let cache = SHARED.get_or_init(Default::default);
+    let mut c = cache.lock().expect("not poisoned");
+    let t = match c.iter().find(|(k, _)| *k == n) {
+        Some((_, t)) => Arc::clone(t),
+        None => {
+            let t = Arc::new(ManagedTensor::from_host(AlignedBuffer::<f32>::zeroed(n), &[n])?);
+            c.push((n, Arc::clone(&t)));
+            t
+        }
+    };
+    // SAFETY: a fresh struct sharing the buffer, owned here.
+    Ok(unsafe { ManagedTensor::from_raw_versioned(t.export_versioned().as_ptr()) }?)
+}
+
+/// The shim module.
+#[pymodule]
+fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(import_ptr, m)?)?;
+    m.add_function(wrap_pyfunction!(view_ptr, m)?)?;
+    m.add_function(wrap_pyfunction!(noop, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_floor_owned, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_floor_view, m)?)?;
+    m.add_function(wrap_pyfunction!(export_fresh, m)?)?;
+    m.add_function(wrap_pyfunction!(export_shared, m)?)?;
+    m.add_function(wrap_pyfunction!(export_fresh_aligned, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,82 @@
+//! What each Python type speaks, found once and cached per thread, so the import path makes no
+//! failed attribute lookups (a raised-and-caught AttributeError costs more than a whole import).
+//!
+//! Entries are keyed by the type's address *and* its `tp_version_tag`. CPython gives a type a new
+//! tag whenever the type is modified, and tags are never reused, so an entry can neither go stale
+//! nor be hit by another type that later lands at the same address. No strong reference is held,
+//! and the cache is thread-local: no lock on the hot path, nothing to release at shutdown, and
+//! ready for free-threaded builds. A type without a valid tag (rare) is simply not cached.
+
+use std::cell::RefCell;
+
+use pyo3::ffi;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+use super::exchange::ExchangeApi;
+
+/// What a type speaks.
+#[derive(Clone, Copy)]
+pub struct TypeInfo {
+    /// Its C exchange table, if it publishes a usable one.
+    pub exchange: Option<ExchangeApi>,
+    /// Whether the type defines `__dlpack__`.
+    pub dlpack: bool,
+    /// Whether its `__dlpack__` was seen to reject the 2023 keywords (a legacy producer).
+    pub legacy: bool,
+}
+
+const CAPACITY: usize = 32;
+
+thread_local! {
+    static CACHE: RefCell<Vec<(usize, u32, TypeInfo)>> = const { RefCell::new(Vec::new()) };
+}
+
+fn key(ty: &Bound<'_, PyType>) -> (usize, u32) {
+    let p = ty.as_type_ptr();
+    // SAFETY: a live type object; reading its version tag field.
+    let tag = unsafe { (*p).tp_version_tag };
+    // SAFETY: as above.
+    let valid = unsafe { ffi::PyType_HasFeature(p, ffi::Py_TPFLAGS_VALID_VERSION_TAG) } != 0;
+    (p as usize, if valid { tag } else { 0 })
+}
+
+/// What `ty` speaks (looked up on a cache miss).
+pub fn type_info(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
+    let (addr, tag) = key(ty);
+    if tag != 0 {
+        let hit = CACHE.with_borrow(|c| c.iter().find(|(a, t, _)| *a == addr && *t == tag).map(|e| e.2));
+        if let Some(info) = hit {
+            return Ok(info);
+        }
+    }
+    let py = ty.py();
+    let info = TypeInfo {
+        exchange: ExchangeApi::of_type(ty)?,
+        dlpack: ty.getattr_opt(intern!(py, "__dlpack__"))?.is_some(),
+        legacy: false,
+    };
+    // The lookups above assign a version tag if the type had none yet.
+    let (addr, tag) = key(ty);
+    if tag != 0 {
+        CACHE.with_borrow_mut(|c| {
+            c.retain(|(a, _, _)| *a != addr);
+            if c.len() == CAPACITY {
+                c.remove(0);
+            }
+            c.push((addr, tag, info));
+        });
+    }
+    Ok(info)
+}
+
+/// Records that `ty`'s `__dlpack__` takes no keywords, so later imports call it the legacy way.
+pub fn mark_legacy(ty: &Bound<'_, PyType>) {
+    let (addr, tag) = key(ty);
+    CACHE.with_borrow_mut(|c| {
+        if let Some(e) = c.iter_mut().find(|(a, t, _)| *a == addr && *t == tag) {
+            e.2.legacy = true;
+        }
+    });
+}

@@ -1,0 +1,305 @@
+//! The DLPack C exchange API (1.2/1.3), as consumer and as producer.
+//!
+//! Consumer: a type publishes `__dlpack_c_exchange_api__` (a capsule named `"dlpack_exchange_api"`,
+//! DLPack 1.3) or `__c_dlpack_exchange_api__` (the table's address as an int, DLPack 1.2). The
+//! table is checked (major version 1, walking `prev_api` past newer majors; required functions
+//! non-NULL) and cached per type, then used to export an owning tensor or a borrowed `DLTensor`
+//! without going through Python.
+//!
+//! Producer: `dlbridge.Tensor.__dlpack_c_exchange_api__` is a static table whose five functions
+//! serve dlbridge tensors to consumers that skip Python entirely.
+
+use std::ffi::{CStr, c_int, c_void};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::intern;
+use pyo3::prelude::*;
+
+use super::tensor::Tensor;
+use crate::dtype::DataType;
+use crate::export::AlignedBuffer;
+use crate::ffi::{
+    DLDeviceType, DLManagedTensorVersioned, DLPackExchangeAPI, DLPackExchangeAPIHeader, DLPackSetError,
+    DLPackVersion, DLTensor,
+};
+use crate::managed::ManagedTensor;
+
+/// Name of the capsule holding an exchange table (DLPack 1.3).
+pub const EXCHANGE_API_CAPSULE: &CStr = c"dlpack_exchange_api";
+
+/// A validated exchange table: major version 1 and every required function present.
+#[derive(Clone, Copy)]
+pub struct ExchangeApi(pub &'static DLPackExchangeAPI);
+
+impl ExchangeApi {
+    /// Reads and checks the table a type publishes, if any. `Ok(None)`: the type has none (or
+    /// none this crate can use, e.g. only a newer major with no major-1 fallback).
+    pub fn of_type(ty: &Bound<'_, pyo3::types::PyType>) -> PyResult<Option<Self>> {
+        let py = ty.py();
+        let header: *const DLPackExchangeAPIHeader =
+            if let Some(cap) = ty.getattr_opt(intern!(py, "__dlpack_c_exchange_api__"))? {
+                // SAFETY: IsValid checks the object is a capsule with exactly this name; sets no error.
+                if unsafe { ffi::PyCapsule_IsValid(cap.as_ptr(), EXCHANGE_API_CAPSULE.as_ptr()) } != 1 {
+                    return Ok(None);
+                }
+                // SAFETY: valid under this name.
+                unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), EXCHANGE_API_CAPSULE.as_ptr()) }.cast()
+            } else if let Some(addr) = ty.getattr_opt(intern!(py, "__c_dlpack_exchange_api__"))? {
+                match addr.extract::<usize>() {
+                    Ok(a) => a as *const DLPackExchangeAPIHeader,
+                    Err(_) => return Ok(None),
+                }
+            } else {
+                return Ok(None);
+            };
+        // SAFETY: the producer promises a process-lifetime static table at this address.
+        Ok(unsafe { Self::check(header) })
+    }
+
+    /// Walks the header chain to a major-1 table whose required functions are all present.
+    ///
+    /// # Safety
+    ///
+    /// `header` is NULL or points to a process-lifetime exchange table (and so does every
+    /// `prev_api` link).
+    pub unsafe fn check(mut header: *const DLPackExchangeAPIHeader) -> Option<Self> {
+        for _ in 0..8 {
+            // SAFETY: the caller's promise.
+            let h = unsafe { header.as_ref()? };
+            if h.version.major == 1 {
+                // SAFETY: a major-1 header heads a full DLPackExchangeAPI (the header is its first field).
+                let api: &'static DLPackExchangeAPI = unsafe { &*header.cast::<DLPackExchangeAPI>() };
+                let complete = api.managed_tensor_allocator.is_some()
+                    && api.managed_tensor_from_py_object_no_sync.is_some()
+                    && api.managed_tensor_to_py_object_no_sync.is_some()
+                    && api.current_work_stream.is_some();
+                return complete.then_some(Self(api));
+            }
+            header = h.prev_api;
+        }
+        None
+    }
+
+    /// Exports `obj` (an instance of the type the table came from) as an owning tensor, without
+    /// stream synchronisation.
+    pub fn managed_tensor(&self, obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+        let f = self.0.managed_tensor_from_py_object_no_sync.expect("checked non-NULL");
+        let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
+        // SAFETY: `obj` is a live object of the table's type, the GIL is held, `out` is writable.
+        let rc = unsafe { f(obj.as_ptr().cast(), &mut out) };
+        if rc != 0 {
+            return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
+                PyBufferError::new_err(
+                    "the exchange API's managed_tensor_from_py_object_no_sync failed without an exception",
+                )
+            }));
+        }
+        // SAFETY: on success `out` is an owning pointer handed to us.
+        Ok(unsafe { ManagedTensor::from_raw_versioned(out) }?)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer: the table dlbridge.Tensor publishes.
+
+/// Calls `set_error(error_ctx, kind, message)` if given.
+fn report(error_ctx: *mut c_void, set_error: DLPackSetError, kind: &CStr, message: &str) {
+    if let Some(f) = set_error {
+        let msg = std::ffi::CString::new(message.replace('\0', " ")).unwrap_or_default();
+        // SAFETY: the consumer's callback with NUL-terminated strings that outlive the call.
+        unsafe { f(error_ctx, kind.as_ptr(), msg.as_ptr()) }
+    }
+}
+
+unsafe extern "C" fn allocator(
+    prototype: *mut DLTensor,
+    out: *mut *mut DLManagedTensorVersioned,
+    error_ctx: *mut c_void,
+    set_error: DLPackSetError,
+) -> c_int {
+    let result = std::panic::catch_unwind(|| {
+        // SAFETY: the consumer passes a readable prototype (only dtype, ndim, shape, device read).
+        let p = unsafe { prototype.as_ref() }.ok_or("prototype is NULL")?;
+        if p.device.device_type != DLDeviceType::CPU {
+            return Err("dlbridge allocates host (cpu) memory only");
+        }
+        let dtype = DataType::from(p.dtype);
+        dtype.validate().map_err(|_| "prototype dtype is not valid")?;
+        let ndim = usize::try_from(p.ndim)
+            .ok()
+            .filter(|&n| n <= crate::MAX_NDIM)
+            .ok_or("prototype ndim out of range")?;
+        if ndim > 0 && p.shape.is_null() {
+            return Err("prototype shape is NULL");
+        }
+        // SAFETY: ndim readable entries (checked non-NULL).
+        let shape = if ndim == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(p.shape, ndim) } };
+        let numel = crate::layout::element_count(shape).map_err(|_| "prototype shape is invalid")?;
+        let bytes = crate::layout::compact_byte_size(numel, dtype.storage_bits(false))
+            .map_err(|_| "tensor too large")?;
+        let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+        let t = ManagedTensor::from_host_bytes(
+            AlignedBuffer::<u8>::zeroed(bytes as usize),
+            dtype,
+            &dims,
+            None,
+            0,
+        )
+        .map_err(|_| "allocation refused")?;
+        match t.into_raw() {
+            crate::RawManagedTensor::Versioned(v) => Ok(v),
+            crate::RawManagedTensor::Legacy(_) => Err("internal: exports are versioned"),
+        }
+    });
+    match result {
+        Ok(Ok(v)) if !out.is_null() => {
+            // SAFETY: `out` is the consumer's writable out-pointer.
+            unsafe { *out = v };
+            0
+        }
+        Ok(Ok(v)) => {
+            // SAFETY: nowhere to hand it: free it.
+            drop(unsafe { ManagedTensor::from_raw_versioned(v) });
+            report(error_ctx, set_error, c"ValueError", "managed_tensor_allocator: out is NULL");
+            -1
+        }
+        Ok(Err(msg)) => {
+            report(error_ctx, set_error, c"BufferError", &format!("managed_tensor_allocator: {msg}"));
+            -1
+        }
+        Err(_) => {
+            report(error_ctx, set_error, c"MemoryError", "managed_tensor_allocator: allocation failed");
+            -1
+        }
+    }
+}
+
+/// The dlbridge.Tensor behind a raw object pointer, or a Python TypeError set.
+///
+/// # Safety
+///
+/// The GIL is held and `obj` is a live object.
+unsafe fn tensor_of<'py>(py: Python<'py>, obj: *mut c_void) -> Option<Bound<'py, Tensor>> {
+    if obj.is_null() {
+        PyBufferError::new_err("exchange API: py_object is NULL").restore(py);
+        return None;
+    }
+    // SAFETY: the caller's promise: a live object, borrowed.
+    let any = unsafe { Bound::from_borrowed_ptr(py, obj.cast()) };
+    match any.cast_into::<Tensor>() {
+        Ok(t) => Some(t),
+        Err(e) => {
+            PyErr::from(e).restore(py);
+            None
+        }
+    }
+}
+
+unsafe extern "C" fn from_py_object_no_sync(
+    py_object: *mut c_void,
+    out: *mut *mut DLManagedTensorVersioned,
+) -> c_int {
+    // SAFETY: the exchange API is called with the GIL held (it passes Python objects).
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: as above.
+    let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
+    if out.is_null() {
+        PyBufferError::new_err("exchange API: out is NULL").restore(py);
+        return -1;
+    }
+    let p = t.get().shared().export_versioned();
+    // SAFETY: the consumer's writable out-pointer.
+    unsafe { *out = p.as_ptr() };
+    0
+}
+
+unsafe extern "C" fn to_py_object_no_sync(
+    tensor: *mut DLManagedTensorVersioned,
+    out_py_object: *mut *mut c_void,
+) -> c_int {
+    // SAFETY: called with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: the consumer hands over (steals into) an owning pointer; validation deletes it on refusal.
+    let t = match unsafe { ManagedTensor::from_raw_versioned(tensor) } {
+        Ok(t) => t,
+        Err(e) => {
+            PyErr::from(e).restore(py);
+            return -1;
+        }
+    };
+    match Bound::new(py, Tensor::new(t)) {
+        Ok(obj) if !out_py_object.is_null() => {
+            // SAFETY: a writable out-pointer; the new reference passes to the caller.
+            unsafe { *out_py_object = obj.into_ptr().cast() };
+            0
+        }
+        Ok(_) => {
+            PyBufferError::new_err("exchange API: out_py_object is NULL").restore(py);
+            -1
+        }
+        Err(e) => {
+            e.restore(py);
+            -1
+        }
+    }
+}
+
+unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out: *mut DLTensor) -> c_int {
+    // SAFETY: called with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: as above.
+    let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
+    if out.is_null() {
+        PyBufferError::new_err("exchange API: out is NULL").restore(py);
+        return -1;
+    }
+    let inner: &Arc<ManagedTensor> = t.get().shared();
+    let mut d = *inner.dl_tensor();
+    // Shape and strides point into the tensor, which the borrowed object keeps alive; strides are
+    // always materialised (NULL-stride producers get the tensor's own copy).
+    d.strides = if inner.ndim() == 0 { std::ptr::null_mut() } else { inner.strides().as_ptr().cast_mut() };
+    // SAFETY: the consumer's writable DLTensor.
+    unsafe { *out = d };
+    0
+}
+
+unsafe extern "C" fn current_work_stream(
+    _device_type: DLDeviceType,
+    _device_id: i32,
+    out: *mut *mut c_void,
+) -> c_int {
+    // dlbridge queues no work on any stream: its current work stream is always "none".
+    if !out.is_null() {
+        // SAFETY: the consumer's writable out-pointer.
+        unsafe { *out = std::ptr::null_mut() };
+    }
+    0
+}
+
+/// The table `dlbridge.Tensor` publishes (a process-lifetime static, as the standard requires).
+pub static TENSOR_EXCHANGE_API: DLPackExchangeAPI = DLPackExchangeAPI {
+    header: DLPackExchangeAPIHeader {
+        version: DLPackVersion {
+            major: crate::ffi::DLPACK_MAJOR_VERSION,
+            minor: crate::ffi::DLPACK_MINOR_VERSION,
+        },
+        prev_api: std::ptr::null_mut(),
+    },
+    managed_tensor_allocator: Some(allocator),
+    managed_tensor_from_py_object_no_sync: Some(from_py_object_no_sync),
+    managed_tensor_to_py_object_no_sync: Some(to_py_object_no_sync),
+    dltensor_from_py_object_no_sync: Some(dltensor_from_py_object_no_sync),
+    current_work_stream: Some(current_work_stream),
+};
+
+/// The `"dlpack_exchange_api"` capsule over [`TENSOR_EXCHANGE_API`].
+pub fn tensor_exchange_capsule(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    let p = NonNull::from(&TENSOR_EXCHANGE_API);
+    // SAFETY: a static table, a static name, no destructor (nothing to free).
+    let cap = unsafe { ffi::PyCapsule_New(p.as_ptr().cast(), EXCHANGE_API_CAPSULE.as_ptr(), None) };
+    // SAFETY: a new reference or NULL with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(py, cap) }
+}

@@ -1,0 +1,211 @@
+//! A fast, self-verified path for numpy arrays: read the array's C struct directly (data,
+//! dimensions, strides, dtype number, byte order, writeable flag), as rust-numpy does, instead of
+//! paying numpy's `__dlpack__` (a capsule per call) or its buffer export (a format string per call).
+//!
+//! dlbridge never imports numpy and is not built against it. The first time it meets an object whose
+//! type is named `numpy.ndarray` it reads that array both ways, through the struct and through the
+//! buffer protocol, and enables the fast path only if every field agrees; otherwise (a numpy with
+//! another layout) the fast path stays off for the process and arrays take the DLPack path.
+//! The fields read (`data`, `nd`, `dimensions`, `strides`, `descr`, `flags`; in the descriptor
+//! `byteorder` and `type_num`) sit at the same offsets in numpy 1.x and 2.x.
+
+use std::ffi::{c_char, c_int};
+use std::sync::OnceLock;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::dtype::DataType;
+
+#[repr(C)]
+struct ArrayFields {
+    ob_base: ffi::PyObject,
+    data: *mut c_char,
+    nd: c_int,
+    dimensions: *mut isize,
+    strides: *mut isize,
+    base: *mut ffi::PyObject,
+    descr: *mut DescrHead,
+    flags: c_int,
+}
+
+#[repr(C)]
+struct DescrHead {
+    ob_base: ffi::PyObject,
+    typeobj: *mut ffi::PyTypeObject,
+    kind: c_char,
+    type_char: c_char,
+    byteorder: c_char,
+    former_flags: c_char,
+    type_num: c_int,
+}
+
+const NPY_ARRAY_WRITEABLE: c_int = 0x0400;
+
+/// A numpy array's metadata, borrowed from the array (valid while it lives and is not resized).
+pub struct NumpyParts<'a> {
+    /// Address of the first element.
+    pub data: *mut std::ffi::c_void,
+    /// Extents.
+    pub shape: &'a [isize],
+    /// Strides in bytes.
+    pub strides: &'a [isize],
+    /// Element type.
+    pub dtype: DataType,
+    /// `not flags.writeable`.
+    pub readonly: bool,
+}
+
+fn dtype_of(type_num: c_int) -> Option<DataType> {
+    let long = if size_of::<std::ffi::c_long>() == 8 { DataType::INT64 } else { DataType::INT32 };
+    let ulong = if size_of::<std::ffi::c_ulong>() == 8 { DataType::UINT64 } else { DataType::UINT32 };
+    Some(match type_num {
+        0 => DataType::BOOL,
+        1 => DataType::INT8,
+        2 => DataType::UINT8,
+        3 => DataType::INT16,
+        4 => DataType::UINT16,
+        5 => DataType::INT32,
+        6 => DataType::UINT32,
+        7 => long,
+        8 => ulong,
+        9 => DataType::INT64,
+        10 => DataType::UINT64,
+        11 => DataType::FLOAT32,
+        12 => DataType::FLOAT64,
+        14 => DataType::COMPLEX64,
+        15 => DataType::COMPLEX128,
+        23 => DataType::FLOAT16,
+        _ => return None,
+    })
+}
+
+/// The verified `numpy.ndarray` type (address), or 0 when the fast path is off.
+static NDARRAY: OnceLock<usize> = OnceLock::new();
+
+/// Reads the struct of `obj`, assumed to be a numpy array (unchecked layout).
+///
+/// # Safety
+///
+/// `obj` is an instance of numpy.ndarray (or a subclass) whose struct has the layout above.
+unsafe fn read<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
+    // SAFETY: the caller's promise.
+    let a = unsafe { &*obj.as_ptr().cast::<ArrayFields>() };
+    let nd = usize::try_from(a.nd).ok().filter(|&n| n <= crate::MAX_NDIM)?;
+    if a.descr.is_null() || (nd > 0 && (a.dimensions.is_null() || a.strides.is_null())) {
+        return None;
+    }
+    // SAFETY: a live descriptor owned by the array.
+    let d = unsafe { &*a.descr };
+    let native = matches!(d.byteorder as u8, b'=' | b'|')
+        || (d.byteorder as u8 == b'<') == cfg!(target_endian = "little");
+    let dtype = dtype_of(d.type_num)?;
+    if !native && dtype.itemsize().unwrap_or(1) > 1 {
+        return None;
+    }
+    // SAFETY: nd entries owned by the array.
+    let (shape, strides) = unsafe {
+        if nd == 0 {
+            (&[][..], &[][..])
+        } else {
+            (std::slice::from_raw_parts(a.dimensions, nd), std::slice::from_raw_parts(a.strides, nd))
+        }
+    };
+    Some(NumpyParts {
+        data: a.data.cast(),
+        shape,
+        strides,
+        dtype,
+        readonly: a.flags & NPY_ARRAY_WRITEABLE == 0,
+    })
+}
+
+/// Whether the buffer protocol describes `obj` exactly as the struct read does.
+fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: only called for an object whose type is named numpy.ndarray.
+    let Some(p) = (unsafe { read(obj) }) else { return false };
+    let mut view = std::mem::MaybeUninit::<ffi::Py_buffer>::zeroed();
+    // SAFETY: a zeroed view for numpy to fill.
+    if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) } != 0 {
+        let _ = PyErr::take(obj.py());
+        return false;
+    }
+    // SAFETY: filled by a successful GetBuffer.
+    let mut v = unsafe { view.assume_init() };
+    let nd = v.ndim as usize;
+    // SAFETY: nd entries owned by the exporter while the view is held; a NUL-terminated format.
+    let same = unsafe {
+        nd == p.shape.len()
+            && v.buf == p.data
+            && (nd == 0
+                || (std::slice::from_raw_parts(v.shape, nd) == p.shape
+                    && std::slice::from_raw_parts(v.strides, nd) == p.strides))
+            && (v.readonly != 0) == p.readonly
+            && !v.format.is_null()
+            && crate::interface::buffer_format(
+                &std::ffi::CStr::from_ptr(v.format).to_string_lossy(),
+                v.itemsize as usize,
+            )
+            .ok()
+                == Some(p.dtype)
+    };
+    // SAFETY: released once.
+    unsafe { ffi::PyBuffer_Release(&mut v) };
+    same
+}
+
+/// The struct read of `obj` if it is a numpy array and the fast path is verified on.
+pub fn parts<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
+    let ty = obj.get_type_ptr();
+    let verified = match NDARRAY.get() {
+        Some(&t) => t,
+        None => {
+            let ndarray = find_ndarray(ty)?;
+            // First sighting: verify on this very array, once per process.
+            *NDARRAY.get_or_init(|| if agrees_with_buffer(obj) { ndarray } else { 0 })
+        }
+    };
+    if verified == 0 {
+        return None;
+    }
+    // SAFETY: a type check against the verified ndarray type.
+    if unsafe { ffi::PyObject_TypeCheck(obj.as_ptr(), verified as *mut ffi::PyTypeObject) } == 0 {
+        return None;
+    }
+    // SAFETY: an instance of the verified ndarray type.
+    unsafe { read(obj) }
+}
+
+/// `ty` or a base named `numpy.ndarray`, if any.
+fn find_ndarray(mut ty: *mut ffi::PyTypeObject) -> Option<usize> {
+    for _ in 0..32 {
+        if ty.is_null() {
+            return None;
+        }
+        // SAFETY: a live type object; tp_name is a NUL-terminated static string.
+        let name = unsafe { std::ffi::CStr::from_ptr((*ty).tp_name) };
+        if name.to_bytes() == b"numpy.ndarray" {
+            return Some(ty as usize);
+        }
+        // SAFETY: as above.
+        ty = unsafe { (*ty).tp_base };
+    }
+    None
+}
+
+/// Whether the fast path is on (for tests and the benchmark report).
+pub fn fast_path_enabled() -> bool {
+    NDARRAY.get().is_some_and(|&t| t != 0)
+}
+
+/// Byte strides as element strides, if every one is a multiple of the item size.
+pub fn element_strides(p: &NumpyParts<'_>, out: &mut [i64]) -> bool {
+    let item = p.dtype.itemsize().unwrap_or(1) as isize;
+    for (o, &b) in out.iter_mut().zip(p.strides) {
+        if b % item != 0 {
+            return false;
+        }
+        *o = (b / item) as i64;
+    }
+    true
+}

@@ -1,0 +1,301 @@
+//! [`TensorView`]: a borrowed, non-owning view of a Python array for the duration of a call, with
+//! no capsule and (for compact layouts of up to 8 dimensions) no allocation.
+//!
+//! Sources, fastest first: a `dlbridge.Tensor` (its own metadata), a type with the exchange API's
+//! `dltensor_from_py_object_no_sync` (torch), the buffer protocol (numpy and every buffer
+//! exporter), and otherwise an ordinary owned import.
+
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
+use std::ops::Deref;
+use std::ptr::NonNull;
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use super::cache;
+use super::import::{ImportOptions, from_dlpack_with};
+use super::tensor::Tensor;
+use crate::device::Device;
+use crate::ffi::DLTensor;
+use crate::flags::Flags;
+use crate::managed::ManagedTensor;
+
+const INLINE: usize = 8;
+
+/// Where a borrowed `DLTensor` and the storage it points into live while the view exists (one
+/// heap block, so the addresses stay put when the view moves).
+struct Borrow {
+    tensor: DLTensor,
+    strides: [i64; INLINE],
+    spill: Vec<i64>,
+    buffer: Option<ffi::Py_buffer>,
+}
+
+impl Borrow {
+    /// Releases a held buffer view (the GIL is held: views live inside the call that made them).
+    fn release(&mut self) {
+        if let Some(mut view) = self.buffer.take() {
+            // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL held.
+            unsafe { ffi::PyBuffer_Release(&mut view) };
+        }
+    }
+}
+
+impl Drop for Borrow {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+thread_local! {
+    /// Spare storage blocks, so a view costs no allocation in steady state. Boxed on purpose: a
+    /// live view points into its block, so blocks must keep their address when the pool moves.
+    #[allow(clippy::vec_box)]
+    static POOL: std::cell::RefCell<Vec<Box<Borrow>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A tensor borrowed from a Python object for the duration of a call: a `#[pyfunction]` argument
+/// type that costs no capsule and no DLPack round trip. It derefs to [`ManagedTensor`], so every
+/// accessor and typed view works; mutable access is through [`TensorView::as_slice_mut`] and
+/// (feature `ndarray`) [`TensorView::as_array_mut`].
+///
+/// ```no_run
+/// use dlbridge::python::TensorView;
+/// use pyo3::prelude::*;
+///
+/// /// The sum of a float64 array from numpy, torch, or any buffer exporter, without a copy.
+/// #[pyfunction]
+/// fn total(t: TensorView<'_>) -> PyResult<f64> {
+///     Ok(t.as_slice::<f64>()?.iter().sum())
+/// }
+/// ```
+pub struct TensorView<'a> {
+    // Declared first so it drops before the storage it points into.
+    tensor: ManagedTensor,
+    borrow: Option<Box<Borrow>>,
+    _source: PhantomData<&'a ()>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Deref for TensorView<'_> {
+    type Target = ManagedTensor;
+    fn deref(&self) -> &ManagedTensor {
+        &self.tensor
+    }
+}
+
+impl TensorView<'_> {
+    /// The elements as a mutable slice (see [`ManagedTensor::as_slice_mut`]).
+    pub fn as_slice_mut<T: crate::Element>(&mut self) -> crate::Result<&mut [T]> {
+        self.tensor.as_slice_mut()
+    }
+
+    /// A mutable ndarray view (see [`ManagedTensor::as_array_mut`]).
+    #[cfg(feature = "ndarray")]
+    pub fn as_array_mut<T: crate::Element>(&mut self) -> crate::Result<ndarray::ArrayViewMutD<'_, T>> {
+        self.tensor.as_array_mut()
+    }
+
+    fn from_borrow(borrow: Box<Borrow>, flags: Flags) -> PyResult<Self> {
+        let p = NonNull::from(&borrow.tensor);
+        // SAFETY: the DLTensor and what it points to (the boxed strides, the exporter's memory held
+        // by the Py_buffer or the object the caller borrows for the call) outlive `tensor`, which
+        // is declared first and so dropped first.
+        let tensor = unsafe { ManagedTensor::borrowed(p, flags) }?;
+        Ok(Self { tensor, borrow: Some(borrow), _source: PhantomData, _not_send: PhantomData })
+    }
+
+    /// Borrows `obj` for the lifetime `'a` of the call.
+    pub fn borrow(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = obj.py();
+        if let Some(p) = super::numpy::parts(obj) {
+            let mut b = blank();
+            let n = p.shape.len();
+            let ok = if n <= INLINE {
+                super::numpy::element_strides(&p, &mut b.strides[..n])
+            } else {
+                b.spill = vec![0; n];
+                super::numpy::element_strides(&p, &mut b.spill)
+            };
+            if ok {
+                b.tensor = DLTensor {
+                    data: p.data,
+                    device: Device::CPU.to_raw(),
+                    ndim: n as i32,
+                    dtype: p.dtype.to_raw(),
+                    // npy_intp and int64_t have the same size and alignment on 64-bit targets.
+                    shape: p.shape.as_ptr().cast_mut().cast(),
+                    strides: std::ptr::null_mut(),
+                    byte_offset: 0,
+                };
+                point_strides(&mut b, n);
+                return Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, p.readonly));
+            }
+        }
+        if let Ok(t) = obj.cast_exact::<Tensor>() {
+            let inner = t.get().shared();
+            let mut b = blank();
+            b.tensor = *inner.dl_tensor();
+            set_strides(&mut b, inner.strides());
+            return Self::from_borrow(b, inner.flags());
+        }
+        let info = cache::type_info(&obj.get_type())?;
+        if let Some(f) = info.exchange.and_then(|api| api.0.dltensor_from_py_object_no_sync) {
+            let mut b = blank();
+            // SAFETY: a live object of the table's type, the GIL held, a writable DLTensor.
+            if unsafe { f(obj.as_ptr().cast(), &mut b.tensor) } != 0 {
+                return Err(PyErr::take(py)
+                    .unwrap_or_else(|| PyBufferError::new_err("dltensor_from_py_object_no_sync failed")));
+            }
+            if Device::from(b.tensor.device) == Device::CPU {
+                return Self::from_borrow(b, Flags::NONE);
+            }
+            // Device memory needs stream handling: fall through to the protocol path.
+        }
+        // SAFETY: a type-slot check on a live object.
+        if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
+            match Self::from_buffer(obj) {
+                Ok(v) => return Ok(v),
+                // A format the buffer protocol cannot express, from an object that also speaks
+                // DLPack: let DLPack describe it instead.
+                Err(_) if info.dlpack => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let owned = from_dlpack_with(obj, &ImportOptions::default())?;
+        Ok(Self { tensor: owned, borrow: None, _source: PhantomData, _not_send: PhantomData })
+    }
+
+    fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let mut b = blank();
+        let mut view = MaybeUninit::<ffi::Py_buffer>::zeroed();
+        // SAFETY: a zeroed view for the exporter to fill (strides and format requested).
+        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) } != 0 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        // SAFETY: filled by a successful GetBuffer; released by Borrow's drop from here on.
+        b.buffer = Some(unsafe { view.assume_init() });
+        let v = b.buffer.as_ref().expect("just set");
+        let bad = |msg: String| PyBufferError::new_err(format!("buffer protocol: {msg}"));
+        if !v.suboffsets.is_null() {
+            return Err(bad("suboffsets (indirect buffers) cannot be a tensor".into()));
+        }
+        let format = if v.format.is_null() {
+            "B"
+        } else {
+            // SAFETY: a NUL-terminated string owned by the view.
+            unsafe { std::ffi::CStr::from_ptr(v.format) }.to_str().unwrap_or("?invalid")
+        };
+        let itemsize = usize::try_from(v.itemsize).unwrap_or(0);
+        let dtype = crate::interface::buffer_format(format, itemsize).map_err(|e| bad(e.to_string()))?;
+        let ndim = usize::try_from(v.ndim)
+            .ok()
+            .filter(|&n| n <= crate::MAX_NDIM)
+            .ok_or_else(|| bad(format!("ndim {}", v.ndim)))?;
+        let (shape_p, strides_p, buf, readonly) = (v.shape, v.strides, v.buf, v.readonly != 0);
+        if ndim > 0 && (shape_p.is_null() || strides_p.is_null()) {
+            return Err(bad("shape or strides missing".into()));
+        }
+        // SAFETY: ndim entries owned by the exporter while the view is held.
+        let bytes = if ndim == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(strides_p, ndim) } };
+        let mut elems = [0i64; INLINE];
+        let mut spill = Vec::new();
+        let dst: &mut [i64] = if ndim <= INLINE {
+            &mut elems[..ndim]
+        } else {
+            spill.resize(ndim, 0);
+            &mut spill
+        };
+        for (axis, (d, &s)) in dst.iter_mut().zip(bytes).enumerate() {
+            if itemsize == 0 || s % itemsize as isize != 0 {
+                return Err(bad(format!(
+                    "strides[{axis}] = {s} bytes is not a multiple of the item size {itemsize}"
+                )));
+            }
+            *d = (s / itemsize as isize) as i64;
+        }
+        b.strides = elems;
+        b.spill = spill;
+        b.tensor = DLTensor {
+            data: buf,
+            device: Device::CPU.to_raw(),
+            ndim: ndim as i32,
+            dtype: dtype.to_raw(),
+            // Py_ssize_t and int64_t have the same size and alignment on 64-bit targets.
+            shape: shape_p.cast(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        };
+        point_strides(&mut b, ndim);
+        Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, readonly))
+    }
+}
+
+impl Drop for TensorView<'_> {
+    fn drop(&mut self) {
+        // The borrowed ManagedTensor never dereferences its pointer when dropped, so the block can
+        // be released and recycled first.
+        if let Some(mut b) = self.borrow.take() {
+            b.release();
+            POOL.with_borrow_mut(|p| {
+                if p.len() < 8 {
+                    p.push(b);
+                }
+            });
+        }
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for TensorView<'a> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        TensorView::borrow(&obj)
+    }
+}
+
+const _: () = assert!(size_of::<isize>() == size_of::<i64>(), "TensorView assumes a 64-bit Py_ssize_t");
+
+fn blank() -> Box<Borrow> {
+    if let Some(mut b) = POOL.with_borrow_mut(Vec::pop) {
+        b.spill.clear();
+        return b;
+    }
+    Box::new(Borrow {
+        tensor: DLTensor {
+            data: std::ptr::null_mut(),
+            device: Device::CPU.to_raw(),
+            ndim: 0,
+            dtype: crate::DataType::UINT8.to_raw(),
+            shape: std::ptr::null_mut(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        strides: [0; INLINE],
+        spill: Vec::new(),
+        buffer: None,
+    })
+}
+
+/// Copies `strides` into the boxed storage and points the DLTensor at it.
+fn set_strides(b: &mut Borrow, strides: &[i64]) {
+    let n = strides.len();
+    if n <= INLINE {
+        b.strides[..n].copy_from_slice(strides);
+    } else {
+        b.spill = strides.to_vec();
+    }
+    point_strides(b, n);
+}
+
+fn point_strides(b: &mut Borrow, n: usize) {
+    b.tensor.strides = if n == 0 {
+        std::ptr::null_mut()
+    } else if n <= INLINE {
+        b.strides.as_mut_ptr()
+    } else {
+        b.spill.as_mut_ptr()
+    };
+}

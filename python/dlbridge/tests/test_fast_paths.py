@@ -1,0 +1,191 @@
+"""The fast paths give exactly what the slow ones give: the C exchange API (dlbridge's own table,
+called function by function through ctypes, and torch's table as consumed by dlbridge), the
+numpy struct fast path, and the borrowed view. Fake exchange tables are written for the test."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import dlbridge
+from dlbridge import _dlbridge
+
+from ._dlpack_ctypes import DLManagedTensorVersioned, DLPackVersion, DLTensor, DLDevice, DLDataType
+from .libs import need
+
+Ptr = ctypes.c_void_p
+ManagedPtr = ctypes.POINTER(DLManagedTensorVersioned)
+SET_ERROR = ctypes.CFUNCTYPE(None, Ptr, ctypes.c_char_p, ctypes.c_char_p)
+# PYFUNCTYPE: called with the GIL held, and a set Python exception is raised after the call.
+ALLOCATOR = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.POINTER(DLTensor), ctypes.POINTER(ManagedPtr), Ptr, SET_ERROR)
+FROM_PY = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(ManagedPtr))
+TO_PY = ctypes.PYFUNCTYPE(ctypes.c_int, ManagedPtr, ctypes.POINTER(ctypes.py_object))
+DLTENSOR_FROM_PY = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(DLTensor))
+STREAM = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(Ptr))
+
+
+class Header(ctypes.Structure):
+    pass
+
+
+Header._fields_ = [("version", DLPackVersion), ("prev_api", ctypes.POINTER(Header))]
+
+
+class ExchangeAPI(ctypes.Structure):
+    _fields_ = [("header", Header), ("managed_tensor_allocator", ALLOCATOR), ("managed_tensor_from_py_object_no_sync", FROM_PY),
+                ("managed_tensor_to_py_object_no_sync", TO_PY), ("dltensor_from_py_object_no_sync", DLTENSOR_FROM_PY),
+                ("current_work_stream", STREAM)]
+
+
+def dlbridge_table() -> ExchangeAPI:
+    cap = dlbridge.Tensor.__dlpack_c_exchange_api__
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return ExchangeAPI.from_address(get(cap, b"dlpack_exchange_api"))
+
+
+def test_dlbridge_publishes_a_1_3_table_with_all_five_functions() -> None:
+    api = dlbridge_table()
+    assert (api.header.version.major, api.header.version.minor) == (1, 3)
+    assert not api.header.prev_api
+    for f in ["managed_tensor_allocator", "managed_tensor_from_py_object_no_sync", "managed_tensor_to_py_object_no_sync",
+              "dltensor_from_py_object_no_sync", "current_work_stream"]:
+        assert ctypes.cast(getattr(api, f), Ptr).value, f
+
+
+def test_exchange_from_py_object_and_back() -> None:
+    np = need("numpy")
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = dlbridge.from_dlpack(a)
+    api = dlbridge_table()
+    out = ManagedPtr()
+    assert api.managed_tensor_from_py_object_no_sync(t, ctypes.byref(out)) == 0
+    m = out.contents
+    assert (m.version.major, m.dl_tensor.data, m.dl_tensor.ndim) == (1, a.ctypes.data, 2)
+    assert [m.dl_tensor.shape[i] for i in range(2)] == [2, 3]
+    back = ctypes.py_object()
+    assert api.managed_tensor_to_py_object_no_sync(out, ctypes.byref(back)) == 0  # steals `out`
+    u = back.value
+    assert isinstance(u, dlbridge.Tensor) and u.data_ptr == a.ctypes.data
+    assert np.from_dlpack(u).tolist() == a.tolist()
+
+
+def test_exchange_borrowed_dltensor() -> None:
+    np = need("numpy")
+    a = np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::-2]
+    t = dlbridge.from_dlpack(a)
+    d = DLTensor()
+    assert dlbridge_table().dltensor_from_py_object_no_sync(t, ctypes.byref(d)) == 0
+    assert (d.data + d.byte_offset, d.ndim, (d.dtype.code, d.dtype.bits)) == (a.ctypes.data, 2, (0, 16))
+    assert [d.strides[i] for i in range(2)] == [4, -2]
+
+
+def test_exchange_allocator_and_stream() -> None:
+    api = dlbridge_table()
+    shape = (ctypes.c_int64 * 2)(3, 5)
+    proto = DLTensor(device=DLDevice(1, 0), ndim=2, dtype=DLDataType(2, 32, 1), shape=ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)))
+    out = ManagedPtr()
+    assert api.managed_tensor_allocator(ctypes.byref(proto), ctypes.byref(out), None, SET_ERROR()) == 0
+    m = out.contents
+    assert m.dl_tensor.data % 256 == 0 and [m.dl_tensor.shape[i] for i in range(2)] == [3, 5]
+    m.deleter(out)
+    errors = []
+    on_error = SET_ERROR(lambda ctx, kind, msg: errors.append((kind.decode(), msg.decode())))
+    proto.device = DLDevice(2, 0)
+    assert api.managed_tensor_allocator(ctypes.byref(proto), ctypes.byref(out), None, on_error) == -1
+    assert errors and errors[0][0] == "BufferError" and "host" in errors[0][1]
+    stream = Ptr(1234)
+    assert api.current_work_stream(2, 0, ctypes.byref(stream)) == 0 and not stream.value
+
+
+def test_exchange_functions_refuse_other_objects_with_a_python_error() -> None:
+    api = dlbridge_table()
+    with pytest.raises(TypeError):
+        api.managed_tensor_from_py_object_no_sync([1, 2], ctypes.byref(ManagedPtr()))
+    with pytest.raises(TypeError):
+        api.dltensor_from_py_object_no_sync("x", ctypes.byref(DLTensor()))
+
+
+def test_torch_exchange_table_is_consumed_with_the_same_result() -> None:
+    torch = need("torch")
+    x = torch.arange(10, dtype=torch.float32)[::2]
+    assert hasattr(type(x), "__dlpack_c_exchange_api__")
+    t = dlbridge.from_dlpack(x)
+    assert (t.data_ptr, t.shape, t.strides, t.readonly) == (x.data_ptr(), (5,), (2,), False)
+    via_protocol = dlbridge.from_dlpack(x, stream=None, copy=False)
+    assert via_protocol.data_ptr == t.data_ptr
+    assert _dlbridge._view(x) == (x.data_ptr(), [5], [2], "float32", False)
+
+
+class _FakeTableProducer:
+    """A producer type whose exchange table is broken (written for the test); its __dlpack__ works."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def _fake_table(major: int, null_functions: bool):
+    api = ExchangeAPI()
+    api.header.version = DLPackVersion(major, 0)
+    keep = []
+    if not null_functions:
+        def boom(*args):
+            raise AssertionError("a table dlbridge should not use was called")
+        for name, ftype in ExchangeAPI._fields_[1:]:
+            f = ftype(boom)
+            keep.append(f)
+            setattr(api, name, f)
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(api), b"dlpack_exchange_api", None), (api, keep)
+
+
+@pytest.mark.parametrize(("major", "nulls"), [(2, False), (0, False), (1, True)])
+def test_unusable_exchange_tables_are_ignored(major: int, nulls: bool) -> None:
+    np = need("numpy")
+    cap, keep = _fake_table(major, nulls)
+    cls = type(f"Table{major}{nulls}", (_FakeTableProducer,), {"__dlpack_c_exchange_api__": cap, "_keep": keep})
+    a = np.arange(4.0)
+    t = dlbridge.from_dlpack(cls(a))
+    assert t.data_ptr == a.ctypes.data
+
+
+def test_numpy_fast_path_matches_the_dlpack_path() -> None:
+    np = need("numpy")
+    cases = [np.arange(24, dtype=np.float64).reshape(2, 3, 4)[:, ::-1, 1::2], np.array(5, dtype=np.int8),
+             np.zeros((0, 3), np.complex64), np.asfortranarray(np.ones((3, 2), np.float16)), np.arange(5, dtype=np.uint64)]
+    ro = np.arange(3.0)
+    ro.flags.writeable = False
+    cases.append(ro)
+    for a in cases:
+        fast = dlbridge.from_dlpack(a)
+        slow = dlbridge.from_dlpack(a, copy=False, stream=None)  # negotiated: always the DLPack path
+        assert (fast.data_ptr, fast.shape, fast.strides, str(fast.dtype), fast.readonly) == \
+               (slow.data_ptr, slow.shape, slow.strides, str(slow.dtype), slow.readonly)
+        assert _dlbridge._view(a) == (fast.data_ptr, list(fast.shape), list(fast.strides), str(fast.dtype), fast.readonly)
+    assert _dlbridge._numpy_fast_path()
+
+
+def test_numpy_refusals_are_numpy_s_own() -> None:
+    np = need("numpy")
+    odd = np.lib.stride_tricks.as_strided(np.zeros(10, np.int32), (3,), (6,))
+    with pytest.raises(BufferError):
+        dlbridge.from_dlpack(odd)
+    with pytest.raises(BufferError):
+        dlbridge.from_dlpack(np.arange(3, dtype=">i4"))
+
+
+def test_borrowed_view_of_buffers_and_dlbridge_tensors() -> None:
+    np = need("numpy")
+    b = bytearray(8)
+    assert _dlbridge._view(b)[1:] == ([8], [1], "uint8", False)
+    assert _dlbridge._view(b"abc")[4] is True
+    t = dlbridge.from_dlpack(np.arange(6.0).reshape(2, 3).T)
+    assert _dlbridge._view(t) == (t.data_ptr, [3, 2], [1, 3], "float64", False)
