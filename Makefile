@@ -12,7 +12,7 @@ MATURIN := VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin
 # One interpreter for every build (cargo and maturin), so pyo3 is configured once.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: demo demo-abi test lint rust-test docs valgrind develop py-test stubs bench clean
+.PHONY: demo demo-abi test lint rust-test docs valgrind valgrind-python develop py-test stubs bench fuzz soak clean
 
 demo: develop
 	cd /tmp && $(PY) $(CURDIR)/examples/demo.py
@@ -44,10 +44,12 @@ rust-test: $(STAMP)
 docs: $(STAMP)
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --all-features
 
-# Every Rust test binary under valgrind memcheck: any error, or a definite leak, fails the run.
-valgrind: $(STAMP)
+# Every Rust test binary under valgrind memcheck (any error or definite leak fails), then the
+# interop smoke run in embedded CPython (errors or definite leaks through dlbridge fail).
+valgrind: develop
 	@command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
 	bash scripts/valgrind.sh
+	PY=$(PY) bash scripts/valgrind_python.sh
 
 # The Python tests ship inside the package: run them the way a user would, from outside the tree.
 py-test: develop
@@ -68,6 +70,14 @@ bench: $(STAMP)
 	@command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
 	mkdir -p bench/rust-core/target && cd bench/rust-core && $(CARGO) bench --bench core -- --warm-up-time 1 --measurement-time 3 2>&1 | tee target/criterion.txt
 	cd /tmp && $(PY) $(CURDIR)/bench/bench.py
+
+# Every fuzz target for FUZZ_SECONDS (default 60) each; the corpus is committed.
+fuzz: $(STAMP)
+	bash scripts/fuzz.sh
+
+# 10^6 round trips per path; fails if any path grows the process by 1 MiB or more.
+soak: develop
+	cd /tmp && $(PY) $(CURDIR)/scripts/soak.py
 
 clean:
 	$(CARGO) clean

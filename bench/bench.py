@@ -136,29 +136,30 @@ def main() -> int:
 
 
 def size_sweep(np, dlbridge, D, torch, sizes, scale) -> dict[str, dict[int, float]]:
-    """Per-call cost against element count, zero-copy paths and one copying path."""
+    """Per-call cost against element count. Zero-copy paths: every (path, size) pair is timed in
+    one interleaved group with the same number of calls, so sizes are compared under the same
+    machine conditions. The copying path, for contrast, is timed size by size with fewer calls."""
     print("\n== per-call cost against size (float32 elements)", flush=True)
-    out: dict[str, dict[int, float]] = {}
+    env = {"np": np, "dlbridge": dlbridge, "D": D, "torch": torch}
+    zero_copy: dict[str, str] = {}
     for n in sizes:
-        arr = np.zeros(n, dtype=np.float32)
+        env[f"arr{n}"] = np.zeros(n, dtype=np.float32)
+        env[f"t{n}"] = dlbridge.from_dlpack(env[f"arr{n}"])
         D.export_shared(n)  # made once, outside the timing
-        env = {"np": np, "dlbridge": dlbridge, "D": D, "torch": torch, "arr": arr, "n": n, "tt": dlbridge.from_dlpack(arr)}
-        zero_copy = {
-            "Rust buffer -> numpy.from_dlpack (zero-copy)": "np.from_dlpack(D.export_shared(n))",
-            "numpy -> Rust owned import (zero-copy)": "D.import_ptr(arr)",
-            "numpy -> dlbridge.from_dlpack (zero-copy)": "dlbridge.from_dlpack(arr)",
-        }
+        zero_copy[f"Rust buffer -> numpy.from_dlpack (zero-copy)@{n}"] = f"np.from_dlpack(D.export_shared({n}))"
+        zero_copy[f"numpy -> Rust owned import (zero-copy)@{n}"] = f"D.import_ptr(arr{n})"
+        zero_copy[f"numpy -> dlbridge.from_dlpack (zero-copy)@{n}"] = f"dlbridge.from_dlpack(arr{n})"
         if torch is not None:
-            zero_copy["Rust buffer -> torch.from_dlpack (zero-copy)"] = "torch.from_dlpack(D.export_shared(n))"
-        # Zero-copy paths: the same number of calls at every size (their cost must not depend on it).
-        r = measure_group(zero_copy, env, max(200, int(5_000 * scale)), repeats=5)
-        # The copying path, for contrast: fewer calls as the copy grows.
-        copies = {"Tensor -> numpy.from_dlpack(copy=True) (copies)": "np.from_dlpack(tt, copy=True)"}
-        r |= measure_group(copies, env, max(2, min(5_000, int(2e8 * scale / n))), repeats=5)
-        for name, v in r.items():
-            out.setdefault(name, {})[n] = v["median"]
-        print(f"  n={n:>9}: " + "  ".join(f"{k.split(' (')[0]}={v['median']:.0f}ns" for k, v in r.items()), flush=True)
-        del arr, env
+            zero_copy[f"Rust buffer -> torch.from_dlpack (zero-copy)@{n}"] = f"torch.from_dlpack(D.export_shared({n}))"
+    out: dict[str, dict[int, float]] = {}
+    for key, v in measure_group(zero_copy, env, max(200, int(5_000 * scale)), repeats=7).items():
+        path, n = key.rsplit("@", 1)
+        out.setdefault(path, {})[int(n)] = v["median"]
+    for n in sizes:
+        r = measure_group({"c": f"np.from_dlpack(t{n}, copy=True)"}, env, max(2, min(5_000, int(2e8 * scale / n))), repeats=5)
+        out.setdefault("Tensor -> numpy.from_dlpack(copy=True) (copies)", {})[n] = r["c"]["median"]
+    for path, by_size in out.items():
+        print(f"  {path:<52} " + "  ".join(f"{n:.0e}:{v:.0f}" for n, v in sorted(by_size.items())), flush=True)
     return out
 
 
@@ -235,14 +236,15 @@ def callgrind_counts() -> dict[str, float]:
         return {}
     print("\n== instructions per call (callgrind)", flush=True)
     out = {}
-    n1, n2 = 200, 2200
+    n1, n2 = 1000, 6000
+    env = dict(os.environ, PYTHONHASHSEED="0")  # deterministic start-up, so it cancels out
     with tempfile.TemporaryDirectory() as d:
         for case in ["numpy", "import", "view", "from_dlpack", "export"]:
             irs = []
             for n in (n1, n2):
                 f = Path(d) / f"cg.{case}.{n}"
                 subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={f}", sys.executable, "-c", CALLGRIND_CHILD, case, str(n)],
-                               capture_output=True, text=True, timeout=900)
+                               capture_output=True, text=True, timeout=900, env=env)
                 m = re.search(r"^summary:\s+(\d+)", f.read_text(), re.M) if f.exists() else None
                 irs.append(int(m.group(1)) if m else None)
             if None not in irs:

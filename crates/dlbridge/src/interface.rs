@@ -148,6 +148,100 @@ pub fn typestr(s: &str) -> Result<DataType> {
     dtype_of(kind, size).ok_or_else(|| bad("of a supported size"))
 }
 
+/// The layout part of `__array_interface__` / `__cuda_array_interface__`, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArrayLayout {
+    /// The element type, from the typestr.
+    pub dtype: DataType,
+    /// Strides in elements (`None`: C order).
+    pub strides: Option<Vec<i64>>,
+}
+
+/// Why an interface layout was refused: a bad value (`ValueError`) or something that cannot be a
+/// tensor (`BufferError`), with a message naming the field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayoutProblem {
+    /// A value out of range or inconsistent with another field.
+    Value(String),
+    /// A valid description of something that is not a tensor dlbridge can hold.
+    NotATensor(String),
+}
+
+impl std::fmt::Display for LayoutProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Value(m) | Self::NotATensor(m) => f.write_str(m),
+        }
+    }
+}
+
+/// Checks an array-interface layout: the typestr, byte strides (`None`: C order) that must be
+/// multiples of the item size and one per dimension, a valid shape, and, when the data is a buffer
+/// of `buffer_len` bytes, that every element from `offset` lies inside it.
+///
+/// ```
+/// use dlbridge::interface::array_layout;
+/// let l = array_layout("<f8", &[2, 3], Some(&[8, 16]), 0, None).unwrap();
+/// assert_eq!(l.strides, Some(vec![1, 2]));
+/// assert!(array_layout("<f8", &[2, 3], None, 8, Some(48)).is_err()); // one element past the end
+/// ```
+pub fn array_layout(
+    typestr_value: &str,
+    shape: &[i64],
+    strides_bytes: Option<&[i64]>,
+    offset: usize,
+    buffer_len: Option<usize>,
+) -> std::result::Result<ArrayLayout, LayoutProblem> {
+    let dtype = typestr(typestr_value).map_err(|e| LayoutProblem::NotATensor(e.to_string()))?;
+    let itemsize = dtype.itemsize().unwrap_or(1) as i64;
+    let strides = match strides_bytes {
+        None => None,
+        Some(bytes) => {
+            if bytes.len() != shape.len() {
+                return Err(LayoutProblem::Value(format!(
+                    "'strides' has {} entries for {} dimensions",
+                    bytes.len(),
+                    shape.len()
+                )));
+            }
+            let mut out = Vec::with_capacity(bytes.len());
+            for (axis, b) in bytes.iter().enumerate() {
+                if b % itemsize != 0 {
+                    return Err(LayoutProblem::NotATensor(format!(
+                        "'strides'[{axis}] = {b} bytes is not a multiple of the item size {itemsize}"
+                    )));
+                }
+                out.push(b / itemsize);
+            }
+            Some(out)
+        }
+    };
+    let numel = crate::layout::element_count(shape).map_err(|e| LayoutProblem::NotATensor(e.to_string()))?;
+    if let Some(len) = buffer_len {
+        if offset > len {
+            return Err(LayoutProblem::Value(format!("'offset' {offset} is past the buffer's {len} bytes")));
+        }
+        let (lo, hi) = match (&strides, numel) {
+            (_, 0) => (0, 0),
+            (None, n) => (0, n as i128 * itemsize as i128),
+            (Some(s), _) => {
+                let (lo, hi) = crate::layout::byte_span(shape, s, dtype.storage_bits(false))
+                    .map_err(|e| LayoutProblem::NotATensor(e.to_string()))?;
+                (lo as i128, hi as i128)
+            }
+        };
+        if offset as i128 + lo < 0 {
+            return Err(LayoutProblem::Value("the layout reaches before the start of the buffer".into()));
+        }
+        if offset as i128 + hi > len as i128 {
+            return Err(LayoutProblem::Value(format!(
+                "the layout needs {hi} bytes from offset {offset}, the buffer has {len}"
+            )));
+        }
+    }
+    Ok(ArrayLayout { dtype, strides })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,11 +311,41 @@ mod tests {
         }
     }
 
+    #[test]
+    fn array_layouts() {
+        assert_eq!(array_layout("<i4", &[3], None, 0, Some(12)).unwrap().dtype, DataType::INT32);
+        assert!(
+            matches!(array_layout("<i4", &[3], Some(&[6]), 0, None), Err(LayoutProblem::NotATensor(m)) if m.contains("strides"))
+        );
+        assert!(
+            matches!(array_layout("<i4", &[3], Some(&[4, 4]), 0, None), Err(LayoutProblem::Value(m)) if m.contains("strides"))
+        );
+        assert!(matches!(array_layout("<i4", &[3], Some(&[-4]), 4, Some(12)), Err(LayoutProblem::Value(_))));
+        assert!(array_layout("<i4", &[3], Some(&[-4]), 8, Some(12)).is_ok());
+        assert!(
+            matches!(array_layout("<i4", &[3], None, 16, Some(12)), Err(LayoutProblem::Value(m)) if m.contains("offset"))
+        );
+        assert!(
+            matches!(array_layout("<i4", &[-1], None, 0, None), Err(LayoutProblem::NotATensor(m)) if m.contains("shape"))
+        );
+    }
+
     proptest! {
         #[test]
         fn parsers_never_panic(s in ".{0,12}", size in 0usize..40) {
             let _ = buffer_format(&s, size);
             let _ = typestr(&s);
+        }
+
+        #[test]
+        fn array_layout_never_panics(
+            shape in prop::collection::vec(any::<i64>(), 0..4),
+            strides in prop::collection::vec(any::<i64>(), 0..4),
+            offset in any::<usize>(),
+            len in any::<Option<usize>>(),
+        ) {
+            let _ = array_layout("<f4", &shape, Some(&strides), offset, len);
+            let _ = array_layout("|u1", &shape, None, offset, len);
         }
     }
 }

@@ -119,23 +119,32 @@ def read_capsule(cap: object) -> CapsuleInfo:
     )
 
 
-class FakeVersionedCapsule:
-    """A hostile or unusual versioned capsule built field by field, with a counted deleter.
+class FakeCapsule:
+    """A hostile or unusual capsule (versioned or legacy) built field by field, with a counted deleter.
 
-    The capsule has no destructor: the test consumes it (or frees it with `free()`), and
-    `deleted` counts how often the deleter ran.
+    The capsule has no destructor: the test consumes it, and `deleted` counts how often the
+    deleter ran. `deleter_behaviour` may be "count" (default), "raise" (the Python callback raises;
+    ctypes reports it as unraisable and returns) or "slow" (sleeps 50 ms first).
     """
 
-    def __init__(self, *, major=1, minor=3, ndim=1, shape=(4,), strides=(1,), dtype=(2, 32, 1), device=(1, 0),
-                 data: int | None = None, byte_offset=0, flags=0, null_deleter=False):
+    def __init__(self, *, versioned=True, major=1, minor=3, ndim=1, shape=(4,), strides=(1,), dtype=(2, 32, 1),
+                 device=(1, 0), data: int | None = None, byte_offset=0, flags=0, null_deleter=False,
+                 deleter_behaviour="count", null_shape=False):
         self.deleted = 0
+        self.behaviour = deleter_behaviour
         self.buffer = (ctypes.c_float * 16)()
         self.shape_arr = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         self.strides_arr = None if strides is None else (ctypes.c_int64 * max(len(strides), 1))(*strides)
-        self.m = DLManagedTensorVersioned()
-        self.m.version = DLPackVersion(major, minor)
-        self.m.flags = flags
-        self._deleter = VERSIONED_DELETER(self._on_delete)
+        if versioned:
+            self.m = DLManagedTensorVersioned()
+            self.m.version = DLPackVersion(major, minor)
+            self.m.flags = flags
+            self._deleter = VERSIONED_DELETER(self._on_delete)
+            name = b"dltensor_versioned"
+        else:
+            self.m = DLManagedTensor()
+            self._deleter = LEGACY_DELETER(self._on_delete)
+            name = b"dltensor"
         if not null_deleter:
             self.m.deleter = self._deleter
         t = self.m.dl_tensor
@@ -143,17 +152,26 @@ class FakeVersionedCapsule:
         t.device = DLDevice(*device)
         t.ndim = ndim
         t.dtype = DLDataType(*dtype)
-        t.shape = ctypes.cast(self.shape_arr, ctypes.POINTER(ctypes.c_int64))
+        t.shape = ctypes.POINTER(ctypes.c_int64)() if null_shape else ctypes.cast(self.shape_arr, ctypes.POINTER(ctypes.c_int64))
         t.strides = (ctypes.cast(self.strides_arr, ctypes.POINTER(ctypes.c_int64))
                      if self.strides_arr is not None else ctypes.POINTER(ctypes.c_int64)())
         t.byte_offset = byte_offset
-        self.capsule = PyCapsule_New(ctypes.addressof(self.m), b"dltensor_versioned", None)
+        self.capsule = PyCapsule_New(ctypes.addressof(self.m), name, None)
 
     def _on_delete(self, _ptr):
+        if self.behaviour == "slow":
+            import time
+            time.sleep(0.05)
         self.deleted += 1
+        if self.behaviour == "raise":
+            raise RuntimeError("a deleter that raises (written for the test)")
 
     def __dlpack__(self, **_kwargs):
         return self.capsule
 
     def __dlpack_device__(self):
-        return tuple(self.m.dl_tensor.device.device_type for _ in range(1)) + (self.m.dl_tensor.device.device_id,)
+        return (self.m.dl_tensor.device.device_type, self.m.dl_tensor.device.device_id)
+
+
+def FakeVersionedCapsule(**kw) -> FakeCapsule:  # noqa: N802 - kept for the existing tests
+    return FakeCapsule(versioned=True, **kw)

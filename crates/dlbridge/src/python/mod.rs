@@ -97,6 +97,64 @@ fn _drop_on_native_thread(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> 
         .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the native thread panicked"))
 }
 
+/// Test hook: a buffer exporter that reports whatever metadata it is given (shape, strides,
+/// itemsize, format, len), over a small internal buffer, so the hostile-input tests can hand dlbridge
+/// inconsistent buffer views no real exporter produces. dlbridge must refuse them before reading.
+#[pyclass(name = "_HostileBuffer", module = "dlbridge", frozen)]
+struct HostileBuffer {
+    data: Vec<u8>,
+    shape: Vec<isize>,
+    strides: Vec<isize>,
+    itemsize: isize,
+    format: std::ffi::CString,
+    len: isize,
+}
+
+#[pymethods]
+impl HostileBuffer {
+    #[new]
+    #[pyo3(signature = (*, shape, strides, itemsize, format, length))]
+    fn new(
+        shape: Vec<isize>,
+        strides: Vec<isize>,
+        itemsize: isize,
+        format: &str,
+        length: isize,
+    ) -> PyResult<Self> {
+        let format = std::ffi::CString::new(format)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        Ok(Self { data: vec![0; 64], shape, strides, itemsize, format, len: length })
+    }
+
+    unsafe fn __getbuffer__(
+        slf: PyRef<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        _flags: std::ffi::c_int,
+    ) -> PyResult<()> {
+        let (buf, shape, strides) = (slf.data.as_ptr(), slf.shape.as_ptr(), slf.strides.as_ptr());
+        let (len, itemsize, ndim, format) = (slf.len, slf.itemsize, slf.shape.len(), slf.format.as_ptr());
+        // SAFETY: filling the consumer's view; the arrays live as long as this frozen object, which
+        // the view references.
+        unsafe {
+            let v = &mut *view;
+            v.obj = slf.into_ptr();
+            v.buf = buf.cast_mut().cast();
+            v.len = len;
+            v.readonly = 1;
+            v.itemsize = itemsize;
+            v.format = format.cast_mut();
+            v.ndim = ndim as std::ffi::c_int;
+            v.shape = shape.cast_mut();
+            v.strides = strides.cast_mut();
+            v.suboffsets = std::ptr::null_mut();
+            v.internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+}
+
 /// Adds dlbridge's classes, functions and constants to a Python module (the `dlbridge._dlbridge`
 /// extension calls this; a downstream extension may too).
 pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -111,6 +169,7 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(_view, m)?)?;
+    m.add_class::<HostileBuffer>()?;
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
         m.add(t.to_string().as_str(), PyDType(t))?;

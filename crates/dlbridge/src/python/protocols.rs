@@ -18,7 +18,6 @@ use super::capsule::is_capsule;
 use super::import::{ImportOptions, from_dlpack_with};
 use crate::cuda::Driver;
 use crate::device::Device;
-use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::interface;
 use crate::managed::ManagedTensor;
@@ -185,10 +184,26 @@ fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<Bound<'py, Py
 /// The fields `__array_interface__` and `__cuda_array_interface__` share, parsed.
 struct Interface<'py> {
     dict: Bound<'py, PyDict>,
-    dtype: DataType,
+    typestr: String,
     shape: Vec<i64>,
-    /// In elements.
-    strides: Option<Vec<i64>>,
+    /// In bytes, as the interface gives them.
+    strides_bytes: Option<Vec<i64>>,
+}
+
+impl Interface<'_> {
+    /// The layout checked by [`interface::array_layout`] (for a buffer of `buffer_len` bytes).
+    fn layout(
+        &self,
+        who: &str,
+        offset: usize,
+        buffer_len: Option<usize>,
+    ) -> PyResult<interface::ArrayLayout> {
+        interface::array_layout(&self.typestr, &self.shape, self.strides_bytes.as_deref(), offset, buffer_len)
+            .map_err(|p| match p {
+                interface::LayoutProblem::Value(m) => PyValueError::new_err(format!("{who}: {m}")),
+                interface::LayoutProblem::NotATensor(m) => PyBufferError::new_err(format!("{who}: {m}")),
+            })
+    }
 }
 
 /// Parses the fields `__array_interface__` and `__cuda_array_interface__` share.
@@ -219,7 +234,6 @@ fn interface_fields<'py>(
     let ts = item(&d, "typestr")?
         .ok_or_else(|| PyValueError::new_err(format!("{}: 'typestr' is missing", who())))?;
     let ts_s: String = ts.extract().map_err(|_| wrong("typestr", "a str", &ts))?;
-    let dtype = interface::typestr(&ts_s).map_err(|e| PyBufferError::new_err(format!("{}: {e}", who())))?;
     if let Some(descr) = item(&d, "descr")? {
         let ok =
             descr.cast::<PyList>().ok().filter(|l| l.len() == 1).and_then(|l| l.get_item(0).ok()).and_then(
@@ -243,36 +257,15 @@ fn interface_fields<'py>(
         .ok()
         .and_then(|t| t.extract().ok())
         .ok_or_else(|| wrong("shape", "a tuple of ints", &shape_o))?;
-    let itemsize = dtype.itemsize().unwrap_or(1) as i64;
-    let strides = match item(&d, "strides")? {
+    let strides_bytes: Option<Vec<i64>> = match item(&d, "strides")? {
         None => None,
         Some(s) if s.is_none() => None,
-        Some(s) => {
-            let bytes: Vec<i64> = s
-                .cast::<PyTuple>()
+        Some(s) => Some(
+            s.cast::<PyTuple>()
                 .ok()
                 .and_then(|t| t.extract().ok())
-                .ok_or_else(|| wrong("strides", "None or a tuple of ints", &s))?;
-            if bytes.len() != shape.len() {
-                return Err(PyValueError::new_err(format!(
-                    "{}: 'strides' has {} entries for {} dimensions",
-                    who(),
-                    bytes.len(),
-                    shape.len()
-                )));
-            }
-            let mut out = Vec::with_capacity(bytes.len());
-            for (axis, b) in bytes.iter().enumerate() {
-                if b % itemsize != 0 {
-                    return Err(PyBufferError::new_err(format!(
-                        "{}: 'strides'[{axis}] = {b} bytes is not a multiple of the item size {itemsize}",
-                        who()
-                    )));
-                }
-                out.push(b / itemsize);
-            }
-            Some(out)
-        }
+                .ok_or_else(|| wrong("strides", "None or a tuple of ints", &s))?,
+        ),
     };
     if let Some(m) = item(&d, "mask")? {
         if !m.is_none() {
@@ -282,7 +275,7 @@ fn interface_fields<'py>(
             )));
         }
     }
-    Ok(Interface { dict: d, dtype, shape, strides })
+    Ok(Interface { dict: d, typestr: ts_s, shape, strides_bytes })
 }
 
 /// Reads `data` as `(pointer, readonly)`.
@@ -307,8 +300,8 @@ fn pointer_pair(who: &str, data: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
 
 fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
     let who = format!("__array_interface__ of {}", type_name(obj));
-    let Interface { dict: d, dtype, shape, strides } =
-        interface_fields(obj, "__array_interface__", ai, &[3])?;
+    let iface = interface_fields(obj, "__array_interface__", ai, &[3])?;
+    let (d, shape) = (iface.dict.clone(), iface.shape.clone());
     let offset = match item(&d, "offset")? {
         None => 0usize,
         Some(o) => o
@@ -325,6 +318,7 @@ fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResu
                     "{who}: 'offset' applies only when 'data' is a buffer, not a pointer"
                 )));
             }
+            let l = iface.layout(&who, 0, None)?;
             let flags = Flags::NONE.with(Flags::READ_ONLY, ro);
             // SAFETY: the interface promises the memory is valid while `obj` lives; the owner
             // keeps `obj` alive. The layout is validated (overflow, NULL with elements).
@@ -332,9 +326,9 @@ fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResu
                 ManagedTensor::from_raw_parts(
                     ptr as *mut _,
                     Device::CPU,
-                    dtype,
+                    l.dtype,
                     &shape,
-                    strides.as_deref(),
+                    l.strides.as_deref(),
                     0,
                     flags,
                     PyOwner::new(obj),
@@ -359,40 +353,16 @@ fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResu
             let base = view.0.buf as usize;
             let len = view.0.len as usize;
             let ro = view.0.readonly != 0;
-            if offset > len {
-                return Err(PyValueError::new_err(format!(
-                    "{who}: 'offset' {offset} is past the buffer's {len} bytes"
-                )));
-            }
-            let numel = crate::layout::element_count(&shape).map_err(to_err)?;
-            let need = match (&strides, numel) {
-                (_, 0) => 0,
-                (None, n) => n as i128 * dtype.itemsize().unwrap_or(1) as i128,
-                (Some(s), _) => {
-                    let (lo, hi) =
-                        crate::layout::byte_span(&shape, s, dtype.storage_bits(false)).map_err(to_err)?;
-                    if (offset as i128) + (lo as i128) < 0 {
-                        return Err(PyValueError::new_err(format!(
-                            "{who}: the layout reaches before the buffer"
-                        )));
-                    }
-                    hi as i128
-                }
-            };
-            if offset as i128 + need > len as i128 {
-                return Err(PyValueError::new_err(format!(
-                    "{who}: the layout needs {need} bytes from offset {offset}, the buffer has {len}"
-                )));
-            }
+            let l = iface.layout(&who, offset, Some(len))?;
             let flags = Flags::NONE.with(Flags::READ_ONLY, ro);
             // SAFETY: the layout was checked to stay inside the buffer view, which the owner holds.
             unsafe {
                 ManagedTensor::from_raw_parts(
                     (base + offset) as *mut _,
                     Device::CPU,
-                    dtype,
+                    l.dtype,
                     &shape,
-                    strides.as_deref(),
+                    l.strides.as_deref(),
                     0,
                     flags,
                     (view, PyOwner::new(obj)),
@@ -409,8 +379,9 @@ fn from_cuda_array_interface(
     device_id: Option<i32>,
 ) -> PyResult<AnyTensor> {
     let who = format!("__cuda_array_interface__ of {}", type_name(obj));
-    let Interface { dict: d, dtype, shape, strides } =
-        interface_fields(obj, "__cuda_array_interface__", cai, &[2, 3])?;
+    let iface = interface_fields(obj, "__cuda_array_interface__", cai, &[2, 3])?;
+    let (d, shape) = (iface.dict.clone(), iface.shape.clone());
+    let interface::ArrayLayout { dtype, strides } = iface.layout(&who, 0, None)?;
     let data = item(&d, "data")?.ok_or_else(|| PyValueError::new_err(format!("{who}: 'data' is missing")))?;
     let (ptr, ro) = pointer_pair(&who, &data)?;
     let producer_stream =
