@@ -23,6 +23,20 @@ def hexp(p: int) -> str:
     return f"{p:#014x}"
 
 
+def route(obj) -> str:
+    """How dlbridge takes this object in (decided the way dlbridge decides it)."""
+    import ctypes
+
+    if isinstance(obj, np.ndarray):
+        return "numpy struct, no capsule"
+    if hasattr(type(obj), "__dlpack_c_exchange_api__"):
+        return "C exchange API"
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    name = get_name(obj.__dlpack__(max_version=(1, 3))).decode()
+    return "legacy capsule" if name == "dltensor" else "versioned capsule"
+
+
 def section(title: str) -> None:
     print(f"\n{title}\n{'-' * len(title)}")
 
@@ -76,14 +90,16 @@ def main() -> None:
         ("tensorflow", tf.zeros((2, 3), tf.int32)),
         ("pyarrow", pa.array([1, 2, 3], pa.uint16())),
     ]
-    print(f"  {'producer':<20} {'capsule':<20} {'dtype':<14} {'shape':<8} {'strides':<9} {'readonly':<8} zero-copy")
+    print(f"  {'producer':<20} {'route into dlbridge':<26} {'dtype':<14} {'shape':<8} {'strides':<9} {'readonly':<8} zero-copy")
     for name, obj in sources:
         tensor = dlbridge.from_dlpack(obj)
-        kind = "dltensor_versioned" if dlbridge_scale.describe(obj)["versioned"] else "dltensor (legacy)"
+        kind = route(obj)
         src_ptr = dlbridge_scale.describe(obj)["data_ptr"]
-        print(f"  {name:<20} {kind:<20} {str(tensor.dtype):<14} {str(tensor.shape):<8} {str(tensor.strides):<9} "
+        print(f"  {name:<20} {kind:<26} {str(tensor.dtype):<14} {str(tensor.shape):<8} {str(tensor.strides):<9} "
               f"{str(tensor.readonly):<8} {'yes' if tensor.data_ptr == src_ptr else 'NO'}")
-    print("\n  (legacy capsules cannot say read-only, so dlbridge treats them as read-only, as numpy does)")
+    print("\n  (legacy capsules cannot say read-only, so dlbridge treats them as read-only, as numpy does;")
+    print("   numpy arrays are read through their own struct after a one-time check against numpy's")
+    print("   buffer export; torch tensors through torch's DLPack 1.3 C exchange table)")
 
 
 if __name__ == "__main__":
