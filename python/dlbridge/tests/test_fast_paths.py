@@ -189,3 +189,19 @@ def test_borrowed_view_of_buffers_and_dlbridge_tensors() -> None:
     assert _dlbridge._view(b"abc")[4] is True
     t = dlbridge.from_dlpack(np.arange(6.0).reshape(2, 3).T)
     assert _dlbridge._view(t) == (t.data_ptr, [3, 2], [1, 3], "float64", False)
+
+
+def test_an_unreadable_first_numpy_array_does_not_turn_the_fast_path_off() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, dlbridge\n"
+        "from dlbridge import _dlbridge\n"
+        "try:\n    dlbridge.from_dlpack(np.arange(3, dtype='>i4'))\nexcept BufferError:\n    pass\n"
+        "dlbridge.from_dlpack(np.arange('2020-01', '2020-03', dtype='datetime64[M]').astype('M8[D]').view('i8'))\n"
+        "print(_dlbridge._numpy_fast_path())\n"
+    )
+    need("numpy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"

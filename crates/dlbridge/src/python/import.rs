@@ -147,16 +147,21 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
 /// when `obj` is not a numpy array, the fast path is off, or the layout needs numpy's own refusal.
 fn from_numpy(obj: &Bound<'_, PyAny>) -> PyResult<Option<ManagedTensor>> {
     let Some(p) = super::numpy::parts(obj) else { return Ok(None) };
-    let mut strides = [0i64; crate::MAX_NDIM];
-    let strides = &mut strides[..p.shape.len()];
+    let n = p.shape.len();
+    // Inline for up to 8 dimensions (no allocation, nothing large to zero); a Vec beyond.
+    let (mut inline_strides, mut spill) = ([0i64; 8], Vec::new());
+    let strides: &mut [i64] = if n <= 8 {
+        &mut inline_strides[..n]
+    } else {
+        spill.resize(n, 0);
+        &mut spill
+    };
     if !super::numpy::element_strides(&p, strides) {
         return Ok(None);
     }
-    let mut shape = [0i64; crate::MAX_NDIM];
-    let shape = &mut shape[..p.shape.len()];
-    for (d, &s) in shape.iter_mut().zip(p.shape) {
-        *d = s as i64;
-    }
+    // npy_intp and int64_t have the same size and alignment on 64-bit targets.
+    // SAFETY: the same memory read as i64 instead of isize (identical layout, asserted in view.rs).
+    let shape: &[i64] = unsafe { std::slice::from_raw_parts(p.shape.as_ptr().cast::<i64>(), n) };
     let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);
     // SAFETY: numpy's own description of the array's memory, which the owner keeps alive.
     let t = unsafe {

@@ -120,15 +120,17 @@ unsafe fn read<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
     })
 }
 
-/// Whether the buffer protocol describes `obj` exactly as the struct read does.
-fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> bool {
+/// Whether the buffer protocol describes `obj` exactly as the struct read does: `Some(true)` or
+/// `Some(false)`, or `None` when this array cannot decide it (a dtype or byte order the fast path
+/// does not read, or one numpy will not export), so a later array is asked instead.
+fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> Option<bool> {
     // SAFETY: only called for an object whose type is named numpy.ndarray.
-    let Some(p) = (unsafe { read(obj) }) else { return false };
+    let p = unsafe { read(obj) }?;
     let mut view = std::mem::MaybeUninit::<ffi::Py_buffer>::zeroed();
     // SAFETY: a zeroed view for numpy to fill.
     if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) } != 0 {
         let _ = PyErr::take(obj.py());
-        return false;
+        return None;
     }
     // SAFETY: filled by a successful GetBuffer.
     let mut v = unsafe { view.assume_init() };
@@ -151,7 +153,7 @@ fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> bool {
     };
     // SAFETY: released once.
     unsafe { ffi::PyBuffer_Release(&mut v) };
-    same
+    Some(same)
 }
 
 /// The struct read of `obj` if it is a numpy array and the fast path is verified on.
@@ -161,8 +163,10 @@ pub fn parts<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
         Some(&t) => t,
         None => {
             let ndarray = find_ndarray(ty)?;
-            // First sighting: verify on this very array, once per process.
-            *NDARRAY.get_or_init(|| if agrees_with_buffer(obj) { ndarray } else { 0 })
+            // First sighting of an array that can decide it: verify on this very array, once per
+            // process. An array that cannot decide leaves the question open (and takes DLPack).
+            let verdict = agrees_with_buffer(obj)?;
+            *NDARRAY.get_or_init(|| if verdict { ndarray } else { 0 })
         }
     };
     if verified == 0 {
