@@ -37,6 +37,27 @@ def need(name: str) -> Any:
     return mod
 
 
+def rss_bytes() -> int:
+    """This process's resident memory."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def assert_no_growth(once: Callable[[], None], calls: int = 100_000, warmup: int = 20_000) -> None:
+    """Runs `once` `calls` times after a warm-up and asserts the process grew by under 1 MiB."""
+    import gc
+
+    for _ in range(warmup):
+        once()
+    gc.collect()
+    before = rss_bytes()
+    for _ in range(calls):
+        once()
+    gc.collect()
+    growth = rss_bytes() - before
+    assert growth < 1 << 20, f"process memory grew by {growth} bytes over {calls} calls"
+
+
 def np_dtype(name: str) -> Any:
     np = need("numpy")
     if name in NUMPY_DTYPES:

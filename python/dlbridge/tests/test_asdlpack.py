@@ -19,7 +19,7 @@ import pytest
 import dlbridge
 
 from ._dlpack_ctypes import READ_ONLY, read_capsule
-from .libs import NUMPY_DTYPES, need
+from .libs import NUMPY_DTYPES, assert_no_growth, need
 
 SHAPES = ["0d", "1d", "3d", "size0", "negative"]
 
@@ -414,11 +414,6 @@ def test_unconsumed_and_doubly_consumed_capsules() -> None:
     assert len(np.frombuffer(src, dtype=np.uint8)) == 17
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 def test_100k_asdlpack_calls_do_not_grow_memory() -> None:
     np = need("numpy")
     b, a = b"x" * 64, np.arange(16.0)
@@ -429,15 +424,7 @@ def test_100k_asdlpack_calls_do_not_grow_memory() -> None:
         np.from_dlpack(dlbridge.asdlpack(ai))
         dlbridge.asdlpack(memoryview(a)).__dlpack__(max_version=(1, 3))
 
-    for _ in range(20_000):
-        once()
-    gc.collect()
-    before = rss_bytes()
-    for _ in range(100_000):
-        once()
-    gc.collect()
-    growth = rss_bytes() - before
-    assert growth < 1 << 20, f"grew {growth} bytes over 1e5 calls"
+    assert_no_growth(once)
 
 
 # --- real GPU (run on a machine with CUDA; skipped elsewhere) ---------------------------------

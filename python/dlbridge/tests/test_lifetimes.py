@@ -12,7 +12,7 @@ import pytest
 
 import dlbridge
 
-from .libs import need
+from .libs import assert_no_growth, need
 
 
 @pytest.fixture
@@ -79,11 +79,6 @@ def test_torch_deleter_on_a_native_thread() -> None:
     assert gone() is None
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 def test_100k_round_trips_do_not_grow_memory(np) -> None:
     a = np.arange(100, dtype=np.float32)
     torch = need("torch")
@@ -95,15 +90,7 @@ def test_100k_round_trips_do_not_grow_memory(np) -> None:
         t.__dlpack__(max_version=(1, 3))  # unconsumed
         torch.from_dlpack(dlbridge.from_dlpack(x))
 
-    for _ in range(20_000):
-        once()
-    gc.collect()
-    before = rss_bytes()
-    for _ in range(100_000):
-        once()
-    gc.collect()
-    growth = rss_bytes() - before
-    assert growth < 1 << 20, f"process memory grew by {growth} bytes over 1e5 round trips"
+    assert_no_growth(once)
 
 
 def test_live_tensors_and_capsules_at_interpreter_exit() -> None:
