@@ -294,11 +294,14 @@ def evaluate(results, sweep, memory) -> list[dict]:
 
 
 def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
     v = {"python": platform.python_version()}
-    for name in ["numpy", "torch", "jax", "dlpack", "dlbridge"]:
-        m = optional(name)
-        if m is not None:
-            v[name if name != "dlpack" else "pydlpack"] = getattr(m, "__version__", "?")
+    for dist in ["numpy", "torch", "jax", "pydlpack", "dlbridge"]:
+        try:
+            v[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
     v["pyo3-dlpack"] = "0.3 (bench/shim-pyo3-dlpack, pyo3 0.28)"
     v["dlpark"] = "0.10 (bench/shim-dlpark, pyo3 0.30)"
     v["dlbridge shim"] = "bench/shim-dlbridge (pyo3 0.30)"

@@ -45,6 +45,8 @@ from ._dlbridge import (
     float4_e2m1fn_x2,
 )
 
+__version__ = "0.1.0"
+
 __all__ = [
     "Device",
     "DeviceType",

@@ -93,7 +93,7 @@ def test_100k_round_trips_do_not_grow_memory(np) -> None:
     assert_no_growth(once)
 
 
-def test_live_tensors_and_capsules_at_interpreter_exit() -> None:
+def test_live_tensors_and_capsules_at_interpreter_exit(np) -> None:
     code = """
 import numpy as np, dlbridge
 a = np.arange(10.0)

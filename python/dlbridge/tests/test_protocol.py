@@ -199,3 +199,9 @@ def test_importing_dlbridge_imports_no_array_library() -> None:
     code = "import sys, dlbridge; print(sorted(m for m in ('numpy','torch','jax','tensorflow','pyarrow') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_version_matches_the_installed_distribution() -> None:
+    from importlib.metadata import version
+
+    assert dlbridge.__version__ == version("dlbridge")

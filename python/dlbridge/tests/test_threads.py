@@ -101,6 +101,8 @@ def test_drops_on_native_threads_from_many_python_threads() -> None:
 
 
 def test_exit_with_tensors_capsules_and_threads_alive() -> None:
+    need("numpy")
+    need("torch")
     code = """
 import threading, numpy as np, torch, dlbridge
 a = np.arange(10.0); x = torch.arange(10.0)
