@@ -224,6 +224,10 @@ case, n = sys.argv[1], int(sys.argv[2])
 f = {"import": lambda: D.import_ptr(a), "view": lambda: D.view_ptr(a),
      "from_dlpack": lambda: dlbridge.from_dlpack(a), "export": lambda: np.from_dlpack(t),
      "numpy": lambda: np.from_dlpack(a)}[case]
+import gc
+gc.disable()          # no collection at a run-dependent moment
+for _ in range(2000):  # warm-up: caches, free lists, the numpy verification
+    f()
 for _ in range(n):
     f()
 """
@@ -236,8 +240,10 @@ def callgrind_counts() -> dict[str, float]:
         return {}
     print("\n== instructions per call (callgrind)", flush=True)
     out = {}
-    n1, n2 = 1000, 6000
-    env = dict(os.environ, PYTHONHASHSEED="0")  # deterministic start-up, so it cancels out
+    n1, n2 = 2000, 12000
+    # Deterministic start-up, so it cancels out: a fixed hash seed, and one BLAS thread (OpenBLAS
+    # worker threads spin a run-dependent number of instructions under valgrind).
+    env = dict(os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as d:
         for case in ["numpy", "import", "view", "from_dlpack", "export"]:
             irs = []
