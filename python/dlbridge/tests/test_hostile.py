@@ -206,3 +206,12 @@ def test_hostile_buffer_exporters() -> None:
         dlbridge.asdlpack(_HostileBuffer(shape=[-3], strides=[1], itemsize=1, format="B", length=0))
     ok = dlbridge.asdlpack(_HostileBuffer(shape=[2, 2], strides=[8, 4], itemsize=4, format="i", length=16))
     assert ok.shape == (2, 2) and str(ok.dtype) == "int32"
+
+
+def test_hostile_buffer_exporters_are_refused_by_the_borrowed_view_too() -> None:
+    from dlbridge._dlbridge import _HostileBuffer, _view
+
+    for kw, field in [({"length": 8}, "len"), ({"strides": [3]}, "strides"), ({"itemsize": 8}, "format")]:
+        args = {"shape": [4], "strides": [4], "itemsize": 4, "format": "f", "length": 16} | kw
+        with pytest.raises(BufferError, match=field):
+            _view(_HostileBuffer(**args))

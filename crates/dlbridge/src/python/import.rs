@@ -185,7 +185,6 @@ static KW_MAX_VERSION: PyOnceLock<Py<PyTuple>> = PyOnceLock::new();
 /// `obj.__dlpack__(max_version=(1, 3), [stream=], [dl_device=], [copy=])` by vectorcall.
 fn call_dlpack<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
-    let mut args: Vec<*mut pyo3::ffi::PyObject> = Vec::new();
     let plain = opts.stream.is_none() && opts.device.is_none() && opts.copy.is_none();
     let mv = max_version(py)?;
     let mut extra: Vec<Bound<'py, PyAny>> = Vec::new();
@@ -210,9 +209,13 @@ fn call_dlpack<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyRes
         }
         PyTuple::new(py, names)?
     };
-    args.push(obj.as_ptr());
-    args.push(mv.as_ptr());
-    args.extend(extra.iter().map(|e| e.as_ptr()));
+    // self, max_version, then at most three more keyword values: no allocation per call.
+    let mut args = [std::ptr::null_mut::<pyo3::ffi::PyObject>(); 5];
+    args[0] = obj.as_ptr();
+    args[1] = mv.as_ptr();
+    for (slot, e) in args[2..].iter_mut().zip(&extra) {
+        *slot = e.as_ptr();
+    }
     // SAFETY: `args` holds self then one value per keyword name, all borrowed and alive for the
     // call; nargsf counts self only; the result is a new reference or NULL with an exception.
     unsafe {

@@ -18,6 +18,7 @@ use super::capsule::is_capsule;
 use super::import::{ImportOptions, from_dlpack_with};
 use crate::cuda::Driver;
 use crate::device::Device;
+use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::interface;
 use crate::managed::ManagedTensor;
@@ -118,60 +119,92 @@ fn buffer_error(obj: &Bound<'_, PyAny>, msg: impl std::fmt::Display) -> PyErr {
     PyBufferError::new_err(format!("buffer protocol of {}: {msg}", type_name(obj)))
 }
 
-fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
-    let owner = get_buffer(obj)?;
-    let v = &*owner.0;
+/// What a filled buffer-protocol view describes, checked. Strides are converted to elements.
+pub(crate) struct ViewMeta<'v> {
+    /// Element type, from the format and item size.
+    pub dtype: DataType,
+    /// The exporter's extents.
+    pub shape: &'v [i64],
+    /// Strides in elements: `inline[..ndim]` when ndim <= 8, `spill` otherwise.
+    pub inline: [i64; 8],
+    /// Strides in elements beyond 8 dimensions.
+    pub spill: Vec<i64>,
+    /// Whether the exporter forbids writes.
+    pub readonly: bool,
+}
+
+impl ViewMeta<'_> {
+    /// The element strides.
+    pub fn strides(&self) -> &[i64] {
+        if self.shape.len() <= 8 { &self.inline[..self.shape.len()] } else { &self.spill }
+    }
+}
+
+const _: () = assert!(size_of::<isize>() == size_of::<i64>(), "buffer views assume a 64-bit Py_ssize_t");
+
+/// Reads and checks a filled `Py_buffer`: no suboffsets, a tensor format consistent with the item
+/// size, ndim within `MAX_NDIM`, shape and strides present, byte strides that are multiples of the
+/// item size (never truncated), valid extents, and `len` equal to the element count times the item
+/// size. The error names the field. Used by `asdlpack` and by `TensorView`.
+pub(crate) fn read_view(v: &ffi::Py_buffer) -> Result<ViewMeta<'_>, String> {
     if !v.suboffsets.is_null() {
-        return Err(buffer_error(obj, "suboffsets (indirect, PIL-style buffers) cannot be a tensor"));
+        return Err("suboffsets (indirect, PIL-style buffers) cannot be a tensor".into());
     }
     let format = if v.format.is_null() {
-        "B".to_owned()
+        std::borrow::Cow::Borrowed("B")
     } else {
         // SAFETY: a NUL-terminated format string owned by the view.
-        unsafe { CStr::from_ptr(v.format) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(v.format) }.to_string_lossy()
     };
-    let itemsize = usize::try_from(v.itemsize)
-        .map_err(|_| buffer_error(obj, format!("itemsize {} is negative", v.itemsize)))?;
-    let dtype = interface::buffer_format(&format, itemsize).map_err(|e| buffer_error(obj, e))?;
+    let itemsize = usize::try_from(v.itemsize).map_err(|_| format!("itemsize {} is negative", v.itemsize))?;
+    let dtype = interface::buffer_format(&format, itemsize).map_err(|e| e.to_string())?;
     let ndim = usize::try_from(v.ndim)
         .ok()
         .filter(|&n| n <= crate::MAX_NDIM)
-        .ok_or_else(|| buffer_error(obj, format!("ndim {} is out of range", v.ndim)))?;
+        .ok_or_else(|| format!("ndim {} is out of range", v.ndim))?;
     if ndim > 0 && (v.shape.is_null() || v.strides.is_null()) {
-        return Err(buffer_error(obj, "shape or strides missing"));
+        return Err("shape or strides missing".into());
     }
-    // SAFETY: the exporter provides ndim shape and strides entries while the view lives.
-    let (shape, strides) = unsafe {
+    // SAFETY: the exporter provides ndim shape and strides entries while the view is held;
+    // Py_ssize_t has the size and alignment of int64_t (asserted above).
+    let (shape, bytes) = unsafe {
         if ndim == 0 {
             (&[][..], &[][..])
         } else {
-            (std::slice::from_raw_parts(v.shape, ndim), std::slice::from_raw_parts(v.strides, ndim))
+            (
+                std::slice::from_raw_parts(v.shape.cast::<i64>(), ndim),
+                std::slice::from_raw_parts(v.strides, ndim),
+            )
         }
     };
-    let mut elem_strides = Vec::with_capacity(ndim);
-    for (axis, &s) in strides.iter().enumerate() {
-        if itemsize == 0 || s % itemsize as isize != 0 {
-            return Err(buffer_error(
-                obj,
-                format!("strides[{axis}] = {s} bytes is not a multiple of the item size {itemsize}"),
-            ));
+    let mut meta = ViewMeta { dtype, shape, inline: [0; 8], spill: Vec::new(), readonly: v.readonly != 0 };
+    if ndim > 8 {
+        meta.spill = vec![0; ndim];
+    }
+    let out: &mut [i64] = if ndim <= 8 { &mut meta.inline[..ndim] } else { &mut meta.spill };
+    for (axis, (o, &b)) in out.iter_mut().zip(bytes).enumerate() {
+        if itemsize == 0 || b % itemsize as isize != 0 {
+            return Err(format!("strides[{axis}] = {b} bytes is not a multiple of the item size {itemsize}"));
         }
-        elem_strides.push((s / itemsize as isize) as i64);
+        *o = (b / itemsize as isize) as i64;
     }
-    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    let numel = crate::layout::element_count(&shape).map_err(|e| buffer_error(obj, e))?;
+    let numel = crate::layout::element_count(shape).map_err(|e| e.to_string())?;
     if numel.checked_mul(itemsize as u64) != Some(v.len as u64) {
-        return Err(buffer_error(
-            obj,
-            format!("len {} does not match shape {:?} of {itemsize}-byte items", v.len, shape),
-        ));
+        return Err(format!("len {} does not match shape {:?} of {itemsize}-byte items", v.len, shape));
     }
-    let flags = Flags::NONE.with(Flags::READ_ONLY, v.readonly != 0);
-    let data = v.buf;
+    Ok(meta)
+}
+
+fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+    let owner = get_buffer(obj)?;
+    let v = &*owner.0;
+    let m = read_view(v).map_err(|e| buffer_error(obj, e))?;
+    let flags = Flags::NONE.with(Flags::READ_ONLY, m.readonly);
+    let (data, shape, strides) = (v.buf, m.shape.to_vec(), m.strides().to_vec());
     // SAFETY: the view's memory (data, shape, strides as the exporter describes them) stays valid
     // while `owner` holds the view; writable only if the exporter said so.
     let t = unsafe {
-        ManagedTensor::from_raw_parts(data, Device::CPU, dtype, &shape, Some(&elem_strides), 0, flags, owner)
+        ManagedTensor::from_raw_parts(data, Device::CPU, m.dtype, &shape, Some(&strides), 0, flags, owner)
     };
     t.map_err(|e| buffer_error(obj, e))
 }

@@ -175,60 +175,26 @@ impl TensorView<'_> {
         if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) } != 0 {
             return Err(PyErr::fetch(obj.py()));
         }
-        // SAFETY: filled by a successful GetBuffer; released by Borrow's drop from here on.
+        // SAFETY: filled by a successful GetBuffer; released by the block (or its drop) from here on.
         b.buffer = Some(unsafe { view.assume_init() });
         let v = b.buffer.as_ref().expect("just set");
-        let bad = |msg: String| PyBufferError::new_err(format!("buffer protocol: {msg}"));
-        if !v.suboffsets.is_null() {
-            return Err(bad("suboffsets (indirect buffers) cannot be a tensor".into()));
-        }
-        let format = if v.format.is_null() {
-            "B"
-        } else {
-            // SAFETY: a NUL-terminated string owned by the view.
-            unsafe { std::ffi::CStr::from_ptr(v.format) }.to_str().unwrap_or("?invalid")
-        };
-        let itemsize = usize::try_from(v.itemsize).unwrap_or(0);
-        let dtype = crate::interface::buffer_format(format, itemsize).map_err(|e| bad(e.to_string()))?;
-        let ndim = usize::try_from(v.ndim)
-            .ok()
-            .filter(|&n| n <= crate::MAX_NDIM)
-            .ok_or_else(|| bad(format!("ndim {}", v.ndim)))?;
-        let (shape_p, strides_p, buf, readonly) = (v.shape, v.strides, v.buf, v.readonly != 0);
-        if ndim > 0 && (shape_p.is_null() || strides_p.is_null()) {
-            return Err(bad("shape or strides missing".into()));
-        }
-        // SAFETY: ndim entries owned by the exporter while the view is held.
-        let bytes = if ndim == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(strides_p, ndim) } };
-        let mut elems = [0i64; INLINE];
-        let mut spill = Vec::new();
-        let dst: &mut [i64] = if ndim <= INLINE {
-            &mut elems[..ndim]
-        } else {
-            spill.resize(ndim, 0);
-            &mut spill
-        };
-        for (axis, (d, &s)) in dst.iter_mut().zip(bytes).enumerate() {
-            if itemsize == 0 || s % itemsize as isize != 0 {
-                return Err(bad(format!(
-                    "strides[{axis}] = {s} bytes is not a multiple of the item size {itemsize}"
-                )));
-            }
-            *d = (s / itemsize as isize) as i64;
-        }
-        b.strides = elems;
-        b.spill = spill;
-        b.tensor = DLTensor {
-            data: buf,
+        let m = super::protocols::read_view(v)
+            .map_err(|e| PyBufferError::new_err(format!("buffer protocol: {e}")))?;
+        let (n, readonly) = (m.shape.len(), m.readonly);
+        let tensor = DLTensor {
+            data: v.buf,
             device: Device::CPU.to_raw(),
-            ndim: ndim as i32,
-            dtype: dtype.to_raw(),
-            // Py_ssize_t and int64_t have the same size and alignment on 64-bit targets.
-            shape: shape_p.cast(),
+            ndim: n as i32,
+            dtype: m.dtype.to_raw(),
+            shape: m.shape.as_ptr().cast_mut(),
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         };
-        point_strides(&mut b, ndim);
+        let (inline, spill) = (m.inline, m.spill);
+        b.tensor = tensor;
+        b.strides = inline;
+        b.spill = spill;
+        point_strides(&mut b, n);
         Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, readonly))
     }
 }
@@ -255,8 +221,6 @@ impl<'a, 'py> FromPyObject<'a, 'py> for TensorView<'a> {
         TensorView::borrow(&obj)
     }
 }
-
-const _: () = assert!(size_of::<isize>() == size_of::<i64>(), "TensorView assumes a 64-bit Py_ssize_t");
 
 fn blank() -> Box<Borrow> {
     if let Some(mut b) = POOL.with_borrow_mut(Vec::pop) {
