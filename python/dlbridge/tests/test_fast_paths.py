@@ -205,3 +205,11 @@ def test_an_unreadable_first_numpy_array_does_not_turn_the_fast_path_off() -> No
     need("numpy")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
+
+
+@pytest.mark.parametrize("address", [0, 3, "not an int"])
+def test_integer_form_tables_that_cannot_be_tables_are_ignored(address) -> None:
+    np = need("numpy")
+    cls = type("IntTable", (_FakeTableProducer,), {"__c_dlpack_exchange_api__": address})
+    a = np.arange(3.0)
+    assert dlbridge.from_dlpack(cls(a)).data_ptr == a.ctypes.data

@@ -67,7 +67,12 @@ impl ExchangeApi {
     /// `prev_api` link).
     pub unsafe fn check(mut header: *const DLPackExchangeAPIHeader) -> Option<Self> {
         for _ in 0..8 {
-            // SAFETY: the caller's promise.
+            // A NULL or misaligned address (the 1.2 integer form can carry any int) is refused
+            // before it is dereferenced.
+            if !header.is_aligned() {
+                return None;
+            }
+            // SAFETY: the caller's promise; NULL gives None.
             let h = unsafe { header.as_ref()? };
             if h.version.major == 1 {
                 // SAFETY: a major-1 header heads a full DLPackExchangeAPI (the header is its first field).
