@@ -148,6 +148,31 @@ pub fn typestr(s: &str) -> Result<DataType> {
     dtype_of(kind, size).ok_or_else(|| bad("of a supported size"))
 }
 
+/// Byte strides as element strides, written into `out` (one per stride). A stride that is not a
+/// multiple of `itemsize` is refused, never truncated; the message names the axis. Shared by the
+/// array interfaces, the buffer protocol and the numpy fast path.
+///
+/// ```
+/// let mut out = [0i64; 2];
+/// dlbridge::interface::element_strides([16, -4], 4, &mut out).unwrap();
+/// assert_eq!(out, [4, -1]);
+/// assert!(dlbridge::interface::element_strides([6], 4, &mut out).is_err());
+/// ```
+pub fn element_strides(
+    bytes: impl IntoIterator<Item = i64>,
+    itemsize: usize,
+    out: &mut [i64],
+) -> std::result::Result<(), String> {
+    let item = i64::try_from(itemsize).unwrap_or(0);
+    for (axis, (o, b)) in out.iter_mut().zip(bytes).enumerate() {
+        if item == 0 || b % item != 0 {
+            return Err(format!("strides[{axis}] = {b} bytes is not a multiple of the item size {itemsize}"));
+        }
+        *o = b / item;
+    }
+    Ok(())
+}
+
 /// The layout part of `__array_interface__` / `__cuda_array_interface__`, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArrayLayout {
@@ -204,15 +229,9 @@ pub fn array_layout(
                     shape.len()
                 )));
             }
-            let mut out = Vec::with_capacity(bytes.len());
-            for (axis, b) in bytes.iter().enumerate() {
-                if b % itemsize != 0 {
-                    return Err(LayoutProblem::NotATensor(format!(
-                        "'strides'[{axis}] = {b} bytes is not a multiple of the item size {itemsize}"
-                    )));
-                }
-                out.push(b / itemsize);
-            }
+            let mut out = vec![0; bytes.len()];
+            element_strides(bytes.iter().copied(), itemsize as usize, &mut out)
+                .map_err(LayoutProblem::NotATensor)?;
             Some(out)
         }
     };

@@ -202,14 +202,9 @@ pub fn fast_path_enabled() -> bool {
     NDARRAY.get().is_some_and(|&t| t != 0)
 }
 
-/// Byte strides as element strides, if every one is a multiple of the item size.
+/// Byte strides as element strides (see [`crate::interface::element_strides`]); false when one is not
+/// a multiple of the item size (numpy's own DLPack path then refuses the array).
 pub fn element_strides(p: &NumpyParts<'_>, out: &mut [i64]) -> bool {
-    let item = p.dtype.itemsize().unwrap_or(1) as isize;
-    for (o, &b) in out.iter_mut().zip(p.strides) {
-        if b % item != 0 {
-            return false;
-        }
-        *o = (b / item) as i64;
-    }
-    true
+    let item = p.dtype.itemsize().unwrap_or(1);
+    crate::interface::element_strides(p.strides.iter().map(|&b| b as i64), item, out).is_ok()
 }

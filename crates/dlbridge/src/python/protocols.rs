@@ -182,12 +182,7 @@ pub(crate) fn read_view(v: &ffi::Py_buffer) -> Result<ViewMeta<'_>, String> {
         meta.spill = vec![0; ndim];
     }
     let out: &mut [i64] = if ndim <= 8 { &mut meta.inline[..ndim] } else { &mut meta.spill };
-    for (axis, (o, &b)) in out.iter_mut().zip(bytes).enumerate() {
-        if itemsize == 0 || b % itemsize as isize != 0 {
-            return Err(format!("strides[{axis}] = {b} bytes is not a multiple of the item size {itemsize}"));
-        }
-        *o = (b / itemsize as isize) as i64;
-    }
+    interface::element_strides(bytes.iter().map(|&b| b as i64), itemsize, out)?;
     let numel = crate::layout::element_count(shape).map_err(|e| e.to_string())?;
     if numel.checked_mul(itemsize as u64) != Some(v.len as u64) {
         return Err(format!("len {} does not match shape {:?} of {itemsize}-byte items", v.len, shape));
