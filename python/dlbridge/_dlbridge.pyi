@@ -3,7 +3,7 @@
 import builtins
 import enum
 import sys
-from typing import Any, Final, final
+from typing import Any, Callable, Final, final
 
 __all__ = [
     "Tensor",
@@ -16,6 +16,7 @@ __all__ = [
     "_cuda_driver_available",
     "_numpy_fast_path",
     "_view",
+    "_view_then",
     "_HostileBuffer",
     "__dlpack_version__",
     "int8",
@@ -199,3 +200,4 @@ class _HostileBuffer:
         def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 def _view(x: Any) -> tuple[int, list[int], list[int], str, builtins.bool]: ...
+def _view_then(x: Any, f: Callable[[], object]) -> tuple[int, list[int], list[int], str, builtins.bool]: ...

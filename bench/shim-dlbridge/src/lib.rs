@@ -19,12 +19,23 @@ fn view_ptr(t: TensorView<'_>) -> usize {
     t.data_ptr() as usize
 }
 
+static TORCH_TABLE: OnceLock<dlbridge::python::ExchangeApi> = OnceLock::new();
+
+/// torch's exchange table, looked up once (so the floors below time torch's functions only).
+fn torch_table(x: &Bound<'_, PyAny>) -> PyResult<dlbridge::python::ExchangeApi> {
+    if let Some(api) = TORCH_TABLE.get() {
+        return Ok(*api);
+    }
+    let api =
+        dlbridge::python::ExchangeApi::of_type(&x.get_type())?.expect("torch publishes an exchange table");
+    Ok(*TORCH_TABLE.get_or_init(|| api))
+}
+
 /// torch's own cost, for reference: its exchange table's owning export and deleter, with no
 /// validation and nothing else (what any consumer of torch's table pays at least).
 #[pyfunction]
 fn torch_floor_owned(x: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let api =
-        dlbridge::python::ExchangeApi::of_type(&x.get_type())?.expect("torch publishes an exchange table");
+    let api = torch_table(x)?;
     let f = api.0.managed_tensor_from_py_object_no_sync.expect("checked");
     let mut out = std::ptr::null_mut();
     // SAFETY: a torch tensor, the GIL held, a writable out-pointer.
@@ -40,8 +51,7 @@ fn torch_floor_owned(x: &Bound<'_, PyAny>) -> PyResult<usize> {
 /// torch's own cost of a borrowed `DLTensor` (`dltensor_from_py_object_no_sync`), no validation.
 #[pyfunction]
 fn torch_floor_view(x: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let api =
-        dlbridge::python::ExchangeApi::of_type(&x.get_type())?.expect("torch publishes an exchange table");
+    let api = torch_table(x)?;
     let f = api.0.dltensor_from_py_object_no_sync.expect("torch has it");
     let mut t = std::mem::MaybeUninit::<dlbridge::ffi::DLTensor>::zeroed();
     // SAFETY: a torch tensor, the GIL held, a writable DLTensor.

@@ -130,6 +130,17 @@ pub fn element_span(shape: &[i64], strides: &[i64]) -> Result<(i64, i64)> {
 pub fn byte_span(shape: &[i64], strides: &[i64], storage_bits: u64) -> Result<(isize, isize)> {
     let overflow = || Error::SpanOverflow { shape: shape.to_vec(), strides: strides.to_vec() };
     let (lo, hi) = element_span(shape, strides)?;
+    if storage_bits % 8 == 0 {
+        // Whole bytes (every type but the packed sub-byte ones): exact in i64 arithmetic.
+        let item = i64::try_from(storage_bits / 8).map_err(|_| overflow())?;
+        let start = lo.checked_mul(item);
+        let end = hi.checked_add(1).and_then(|h| h.checked_mul(item));
+        let fit = |v: Option<i64>| v.and_then(|v| isize::try_from(v).ok());
+        return match (fit(start), fit(end)) {
+            (Some(s), Some(e)) if e.checked_sub(s).is_some() => Ok((s, e)),
+            _ => Err(overflow()),
+        };
+    }
     let bits = i128::from(storage_bits);
     let start = (i128::from(lo) * bits).div_euclid(8);
     let end = ((i128::from(hi) + 1) * bits + 7).div_euclid(8);
@@ -147,7 +158,7 @@ pub fn compact_byte_size(numel: u64, storage_bits: u64) -> Result<u64> {
     u64::try_from(bits.div_ceil(8))
         .ok()
         .filter(|&b| b <= isize::MAX as u64)
-        .ok_or(Error::ElementCountOverflow { shape: vec![numel as i64] })
+        .ok_or_else(|| Error::ElementCountOverflow { shape: vec![numel as i64] })
 }
 
 #[cfg(test)]
@@ -233,6 +244,24 @@ mod tests {
             prop_assert_eq!(element_span(&shape, &strides).unwrap(), naive);
             let (b0, b1) = byte_span(&shape, &strides, 32).unwrap();
             prop_assert_eq!((b0 as i64, b1 as i64), (naive.0 * 4, naive.1 * 4 + 4));
+        }
+
+        #[test]
+        fn byte_span_agrees_with_exact_wide_arithmetic(
+            shape in prop::collection::vec(1i64..4, 1..4),
+            strides in prop::collection::vec(prop_oneof![any::<i64>(), -1000i64..1000], 1..4),
+            bytes in prop_oneof![Just(1u64), Just(2), Just(4), Just(8), Just(16), Just(1u64 << 40)],
+        ) {
+            let n = shape.len().min(strides.len());
+            let (shape, strides) = (&shape[..n], &strides[..n]);
+            // Reference: i128 end to end, in range only if both ends and their distance fit isize.
+            let expected = element_span(shape, strides).ok().and_then(|(lo, hi)| {
+                let (s, e) = (i128::from(lo) * i128::from(bytes), (i128::from(hi) + 1) * i128::from(bytes));
+                let fit = |v: i128| isize::try_from(v).ok();
+                let (s, e) = (fit(s)?, fit(e)?);
+                e.checked_sub(s).map(|_| (s, e))
+            });
+            prop_assert_eq!(byte_span(shape, strides, bytes * 8).ok(), expected);
         }
 
         #[test]

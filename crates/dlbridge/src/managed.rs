@@ -159,35 +159,21 @@ impl ManagedTensor {
     ///
     /// `t` belongs to `raw`, and its shape/strides pointers are NULL or point to `ndim` `i64`s.
     unsafe fn validate(raw: Raw, t: &DLTensor, flags: Flags) -> Result<Self> {
-        let ndim = usize::try_from(t.ndim)
-            .ok()
-            .filter(|&n| n <= MAX_NDIM)
-            .ok_or(Error::InvalidNdim { ndim: i64::from(t.ndim), max: MAX_NDIM })?;
-        if ndim > 0 && t.shape.is_null() {
-            return Err(Error::NullShape { ndim: t.ndim });
-        }
-        for (field, p) in [("shape", t.shape), ("strides", t.strides)] {
-            if ndim > 0 && !p.is_aligned() {
-                return Err(Error::MisalignedPointer { field, address: p as usize });
-            }
-        }
+        // SAFETY: the caller's promise about the shape and strides pointers.
+        let (shape, given_strides) = unsafe { dims_of(t) }?;
         let dtype = DataType::from(t.dtype);
         dtype.validate()?;
         if !t.device.device_type.is_known() {
             return Err(Error::UnknownDeviceType { device_type: t.device.device_type.0 });
         }
-        // SAFETY: non-NULL when ndim > 0 (checked) and `ndim` entries long (caller's promise).
-        let shape = unsafe { dims(t.shape, ndim) };
         let numel = layout::element_count(shape)?;
-        let own_strides = if ndim > 0 && t.strides.is_null() {
-            Some(layout::c_strides(shape).into_boxed_slice())
-        } else {
-            None
+        let own_strides = match given_strides {
+            None if !shape.is_empty() => Some(layout::c_strides(shape).into_boxed_slice()),
+            _ => None,
         };
-        let strides = match &own_strides {
-            Some(s) => s,
-            // SAFETY: as for shape.
-            None => unsafe { dims(t.strides, ndim) },
+        let strides = match (&own_strides, given_strides) {
+            (Some(s), _) => s,
+            (None, s) => s.unwrap_or(&[]),
         };
         let data = t.data as usize;
         let start = usize::try_from(t.byte_offset)
@@ -396,6 +382,35 @@ pub enum RawManagedTensor {
     Legacy(*mut DLManagedTensor),
     /// A `DLManagedTensorVersioned` (for `"dltensor_versioned"` capsules).
     Versioned(*mut DLManagedTensorVersioned),
+}
+
+/// The shape and strides of `t` (strides `None` when NULL, meaning C order), after the checks that
+/// make reading them sound: `ndim` in range, shape non-NULL, both pointers aligned.
+///
+/// # Safety
+///
+/// `t`'s shape and strides pointers are NULL or point to `ndim` `i64`s that outlive the result.
+pub(crate) unsafe fn dims_of(t: &DLTensor) -> Result<(&[i64], Option<&[i64]>)> {
+    let ndim = usize::try_from(t.ndim)
+        .ok()
+        .filter(|&n| n <= MAX_NDIM)
+        .ok_or_else(|| Error::InvalidNdim { ndim: i64::from(t.ndim), max: MAX_NDIM })?;
+    if ndim == 0 {
+        return Ok((&[], None));
+    }
+    if t.shape.is_null() {
+        return Err(Error::NullShape { ndim: t.ndim });
+    }
+    for (field, p) in [("shape", t.shape), ("strides", t.strides)] {
+        if !p.is_aligned() {
+            return Err(Error::MisalignedPointer { field, address: p as usize });
+        }
+    }
+    // SAFETY: non-NULL and aligned (checked), `ndim` entries long (the caller's promise).
+    let shape = unsafe { dims(t.shape, ndim) };
+    // SAFETY: as for shape when non-NULL.
+    let strides = (!t.strides.is_null()).then(|| unsafe { dims(t.strides, ndim) });
+    Ok((shape, strides))
 }
 
 /// `ndim` entries at `p`, or an empty slice when `ndim == 0` (where `p` may be NULL).

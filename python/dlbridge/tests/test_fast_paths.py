@@ -213,3 +213,47 @@ def test_integer_form_tables_that_cannot_be_tables_are_ignored(address) -> None:
     cls = type("IntTable", (_FakeTableProducer,), {"__c_dlpack_exchange_api__": address})
     a = np.arange(3.0)
     assert dlbridge.from_dlpack(cls(a)).data_ptr == a.ctypes.data
+
+
+def test_torch_lazy_conjugates_are_refused_not_misread() -> None:
+    """torch's exchange table exports a lazily conjugated tensor as if its memory held the result
+    (torch's own __dlpack__ refuses it): dlbridge refuses it on every path, naming the bit."""
+    torch = need("torch")
+    z = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64)
+    lazy = {"is_conj": z.conj(), "is_neg": torch._neg_view(z)}
+    for bit, x in lazy.items():
+        assert getattr(x, bit)()
+        for f in (dlbridge.from_dlpack, _dlbridge._view, dlbridge.asdlpack):
+            with pytest.raises(BufferError, match=bit):
+                f(x)
+    resolved = dlbridge.from_dlpack(z.conj().resolve_conj())
+    np = need("numpy")
+    assert np.from_dlpack(resolved).tolist() == [1 - 2j, 3 - 4j]
+
+
+def test_torch_tensors_that_require_grad_are_exported_by_the_exchange_table() -> None:
+    """torch's __dlpack__ refuses tensors that require grad; its exchange table (what dlbridge uses
+    for host tensors) exports them. dlbridge keeps the table's behaviour: the data is what it is."""
+    torch = need("torch")
+    x = torch.arange(3.0, requires_grad=True)
+    with pytest.raises(BufferError):
+        x.__dlpack__()
+    assert dlbridge.from_dlpack(x).data_ptr == x.data_ptr()
+    assert _dlbridge._view(x)[0] == x.data_ptr()
+
+
+def test_a_view_keeps_its_shape_when_python_reshapes_the_source_during_the_call() -> None:
+    np = need("numpy")
+    a = np.arange(6.0)
+
+    def reshape():
+        a.shape = (2, 3)  # numpy frees the old dimensions array
+
+    seen = _dlbridge._view_then(a, reshape)
+    assert seen == (a.ctypes.data, [6], [1], "float64", False)
+    assert a.shape == (2, 3)
+    torch = need("torch")
+    x = torch.arange(6.0)
+    seen = _dlbridge._view_then(x, lambda: x.unsqueeze_(0))
+    assert seen == (x.data_ptr(), [6], [1], "float32", False)
+    assert tuple(x.shape) == (1, 6)

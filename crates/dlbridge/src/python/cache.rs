@@ -23,6 +23,8 @@ pub struct TypeInfo {
     pub exchange: Option<ExchangeApi>,
     /// Whether the type defines `__dlpack__`.
     pub dlpack: bool,
+    /// Whether it is `numpy.ndarray` or a subclass (read through the array struct when verified).
+    pub numpy: bool,
     /// Whether its `__dlpack__` was seen to reject the 2023 keywords (a legacy producer).
     pub legacy: bool,
 }
@@ -56,6 +58,7 @@ pub fn type_info(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
         exchange: ExchangeApi::of_type(ty)?,
         dlpack: ty.getattr_opt(intern!(py, "__dlpack__"))?.is_some(),
         legacy: false,
+        numpy: super::numpy::is_ndarray_type(ty),
     };
     // The lookups above assign a version tag if the type had none yet.
     let (addr, tag) = key(ty);

@@ -103,8 +103,56 @@ impl ExchangeApi {
             }));
         }
         // SAFETY: on success `out` is an owning pointer handed to us.
-        Ok(unsafe { ManagedTensor::from_raw_versioned(out) }?)
+        let mt = unsafe { ManagedTensor::from_raw_versioned(out) }?;
+        refuse_lazy_views(obj, mt.dtype())?;
+        Ok(mt)
     }
+}
+
+impl ExchangeApi {
+    /// The table's borrowed `DLTensor` of `obj` (valid while `obj` lives and its metadata is not
+    /// changed, so read it at once), or `Ok(None)` when the table has no
+    /// `dltensor_from_py_object_no_sync`. Tensors whose memory does not hold their values as
+    /// DLPack reads them (torch's lazily conjugated views) are refused here.
+    pub fn dltensor(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DLTensor>> {
+        let Some(f) = self.0.dltensor_from_py_object_no_sync else { return Ok(None) };
+        let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
+        // SAFETY: a live object of the table's type, the GIL held, a writable DLTensor.
+        if unsafe { f(obj.as_ptr().cast(), t.as_mut_ptr()) } != 0 {
+            return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
+                PyBufferError::new_err("dltensor_from_py_object_no_sync failed without an exception")
+            }));
+        }
+        // SAFETY: filled by a successful call (and zeroed before it).
+        let t = unsafe { t.assume_init() };
+        refuse_lazy_views(obj, DataType::from(t.dtype))?;
+        Ok(Some(t))
+    }
+}
+
+/// torch keeps `z.conj()` (and negated views) lazy: a bit on the tensor says the memory holds the
+/// values before conjugation. torch's `__dlpack__` refuses such tensors, but its exchange table
+/// exports them as if the memory held the result, so the reader would see wrong values. Only
+/// complex tensors carry the conjugate bit, so only they pay for the check (a method call).
+fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType) -> PyResult<()> {
+    if dtype.code() != crate::dtype::TypeCode::COMPLEX {
+        return Ok(());
+    }
+    let py = obj.py();
+    for (method, what, fix) in [
+        (intern!(py, "is_conj"), "the conjugate bit set", "resolve_conj"),
+        (intern!(py, "is_neg"), "the negative bit set", "resolve_neg"),
+    ] {
+        if let Some(m) = obj.getattr_opt(method)? {
+            if m.call0()?.is_truthy()? {
+                return Err(PyBufferError::new_err(format!(
+                    "{method}: the tensor has {what} (its memory holds other values than it shows); \
+                     call .{fix}() first"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -76,6 +76,15 @@ fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
 /// Imports any DLPack producer (or bare capsule) with the given options.
 pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<ManagedTensor> {
     let py = obj.py();
+    let plain =
+        opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
+    if plain {
+        if let Some(p) = super::numpy::parts_exact(obj) {
+            if let Some(t) = from_numpy(obj, p)? {
+                return finish(t, opts, false);
+            }
+        }
+    }
     if let Ok(t) = obj.cast_exact::<Tensor>() {
         let shared = t.get().shared();
         // SAFETY: a fresh struct sharing the Tensor's data, owned here.
@@ -86,15 +95,13 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
         let mt = consume(obj, &|| "from_dlpack".to_owned())?;
         return finish(mt, opts, true);
     }
-    let plain =
-        opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
-    if plain {
-        if let Some(t) = from_numpy(obj)? {
+    let ty = obj.get_type();
+    let info = cache::type_info(&ty)?;
+    if plain && info.numpy {
+        if let Some(t) = super::numpy::parts(obj).map(|p| from_numpy(obj, p)).transpose()?.flatten() {
             return finish(t, opts, false);
         }
     }
-    let ty = obj.get_type();
-    let info = cache::type_info(&ty)?;
     // The C exchange API: no Python call at all. Its export does not synchronise streams, which the
     // standard allows only where there is nothing to synchronise: host memory, no stream asked.
     if let Some(api) = info.exchange {
@@ -103,7 +110,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
             if mt.device() == Device::CPU {
                 return finish(mt, opts, false);
             }
-            // Device memory: release it and take the protocol path, which handles streams.
+            // Device memory: take the protocol path, which handles streams.
         }
     }
     if !info.dlpack && !obj.hasattr(intern!(py, "__dlpack__"))? {
@@ -144,9 +151,8 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
 }
 
 /// A numpy array read through its struct (see [`super::numpy`]), owning a reference to it; `None`
-/// when `obj` is not a numpy array, the fast path is off, or the layout needs numpy's own refusal.
-fn from_numpy(obj: &Bound<'_, PyAny>) -> PyResult<Option<ManagedTensor>> {
-    let Some(p) = super::numpy::parts(obj) else { return Ok(None) };
+/// when the layout needs numpy's own refusal (a stride that is not a multiple of the item size).
+fn from_numpy(obj: &Bound<'_, PyAny>, p: super::numpy::NumpyParts<'_>) -> PyResult<Option<ManagedTensor>> {
     let n = p.shape.len();
     // Inline for up to 8 dimensions (no allocation, nothing large to zero); a Vec beyond.
     let (mut inline_strides, mut spill) = ([0i64; 8], Vec::new());

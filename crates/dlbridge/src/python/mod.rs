@@ -80,11 +80,22 @@ fn _numpy_fast_path() -> bool {
     numpy::fast_path_enabled()
 }
 
+/// What the view test hooks return: `(data_ptr, shape, strides, dtype name, readonly)`.
+type ViewSeen = (usize, Vec<i64>, Vec<i64>, String, bool);
+
 /// Test hook: what a borrowed [`TensorView`] of `x` sees, as
 /// `(data_ptr, shape, strides, dtype name, readonly)`.
 #[pyfunction]
-fn _view(x: TensorView<'_>) -> (usize, Vec<i64>, Vec<i64>, String, bool) {
+fn _view(x: TensorView<'_>) -> ViewSeen {
     (x.data_ptr() as usize, x.shape().to_vec(), x.strides().to_vec(), x.dtype().to_string(), x.is_read_only())
+}
+
+/// Test hook: borrows `x` as a [`TensorView`], calls `f()` (Python code that may change `x`'s
+/// metadata in place), then returns what the view sees, as [`_view`] does.
+#[pyfunction]
+fn _view_then(x: TensorView<'_>, f: &Bound<'_, PyAny>) -> PyResult<ViewSeen> {
+    f.call0()?;
+    Ok(_view(x))
 }
 
 /// Test hook: imports `x`, then drops the imported tensor on a new native thread that never held
@@ -169,6 +180,7 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(_view, m)?)?;
+    m.add_function(wrap_pyfunction!(_view_then, m)?)?;
     m.add_class::<HostileBuffer>()?;
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {

@@ -180,6 +180,21 @@ pub fn parts<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
     unsafe { read(obj) }
 }
 
+/// The struct read of `obj` if its type is exactly the verified `numpy.ndarray` (one pointer
+/// comparison: the check every import makes first). Subclasses go through [`parts`].
+pub fn parts_exact<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
+    match NDARRAY.get() {
+        // SAFETY: an instance of exactly the verified ndarray type.
+        Some(&t) if t != 0 && obj.get_type_ptr() as usize == t => unsafe { read(obj) },
+        _ => None,
+    }
+}
+
+/// Whether `ty` is `numpy.ndarray` or derives from it (by name; [`parts`] verifies the layout).
+pub fn is_ndarray_type(ty: &Bound<'_, pyo3::types::PyType>) -> bool {
+    find_ndarray(ty.as_type_ptr()).is_some()
+}
+
 /// `ty` or a base named `numpy.ndarray`, if any.
 fn find_ndarray(mut ty: *mut ffi::PyTypeObject) -> Option<usize> {
     for _ in 0..32 {

@@ -81,9 +81,12 @@ pub struct AnyTensor {
 pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult<AnyTensor> {
     let py = obj.py();
     let plain = |tensor| Ok(AnyTensor { tensor, producer_stream: None });
-    if obj.cast_exact::<super::Tensor>().is_ok()
+    // Whether the type defines __dlpack__ comes from the per-type cache (no attribute lookup on
+    // the object, which would make a bound method each call).
+    if super::numpy::parts_exact(obj).is_some()
+        || obj.cast_exact::<super::Tensor>().is_ok()
         || is_capsule(obj)
-        || obj.hasattr(intern!(py, "__dlpack__"))?
+        || super::cache::type_info(&obj.get_type())?.dlpack
     {
         return plain(from_dlpack_with(obj, &ImportOptions::default())?);
     }

@@ -30,6 +30,8 @@ struct Borrow {
     tensor: DLTensor,
     strides: [i64; INLINE],
     spill: Vec<i64>,
+    shape: [i64; INLINE],
+    shape_spill: Vec<i64>,
     buffer: Option<ffi::Py_buffer>,
 }
 
@@ -107,32 +109,41 @@ impl TensorView<'_> {
         Ok(Self { tensor, borrow: Some(borrow), _source: PhantomData, _not_send: PhantomData })
     }
 
+    /// A numpy array's struct read as a view; `None` when a stride is not a multiple of the item
+    /// size (then DLPack describes the array, or refuses it, instead).
+    fn from_numpy(p: super::numpy::NumpyParts<'_>) -> Option<PyResult<Self>> {
+        let mut b = blank();
+        let n = p.shape.len();
+        let ok = if n <= INLINE {
+            super::numpy::element_strides(&p, &mut b.strides[..n])
+        } else {
+            b.spill = vec![0; n];
+            super::numpy::element_strides(&p, &mut b.spill)
+        };
+        if !ok {
+            return None;
+        }
+        b.tensor = DLTensor {
+            data: p.data,
+            device: Device::CPU.to_raw(),
+            ndim: n as i32,
+            dtype: p.dtype.to_raw(),
+            // npy_intp and int64_t have the same size and alignment on 64-bit targets.
+            shape: p.shape.as_ptr().cast_mut().cast(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        };
+        point_strides(&mut b, n);
+        if let Err(e) = own_shape(&mut b) {
+            return Some(Err(e));
+        }
+        Some(Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, p.readonly)))
+    }
+
     /// Borrows `obj` for the lifetime `'a` of the call.
     pub fn borrow(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let py = obj.py();
-        if let Some(p) = super::numpy::parts(obj) {
-            let mut b = blank();
-            let n = p.shape.len();
-            let ok = if n <= INLINE {
-                super::numpy::element_strides(&p, &mut b.strides[..n])
-            } else {
-                b.spill = vec![0; n];
-                super::numpy::element_strides(&p, &mut b.spill)
-            };
-            if ok {
-                b.tensor = DLTensor {
-                    data: p.data,
-                    device: Device::CPU.to_raw(),
-                    ndim: n as i32,
-                    dtype: p.dtype.to_raw(),
-                    // npy_intp and int64_t have the same size and alignment on 64-bit targets.
-                    shape: p.shape.as_ptr().cast_mut().cast(),
-                    strides: std::ptr::null_mut(),
-                    byte_offset: 0,
-                };
-                point_strides(&mut b, n);
-                return Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, p.readonly));
-            }
+        if let Some(v) = super::numpy::parts_exact(obj).and_then(Self::from_numpy) {
+            return v;
         }
         if let Ok(t) = obj.cast_exact::<Tensor>() {
             let inner = t.get().shared();
@@ -142,14 +153,17 @@ impl TensorView<'_> {
             return Self::from_borrow(b, inner.flags());
         }
         let info = cache::type_info(&obj.get_type())?;
-        if let Some(f) = info.exchange.and_then(|api| api.0.dltensor_from_py_object_no_sync) {
-            let mut b = blank();
-            // SAFETY: a live object of the table's type, the GIL held, a writable DLTensor.
-            if unsafe { f(obj.as_ptr().cast(), &mut b.tensor) } != 0 {
-                return Err(PyErr::take(py)
-                    .unwrap_or_else(|| PyBufferError::new_err("dltensor_from_py_object_no_sync failed")));
+        if info.numpy {
+            if let Some(v) = super::numpy::parts(obj).and_then(Self::from_numpy) {
+                return v;
             }
-            if Device::from(b.tensor.device) == Device::CPU {
+        }
+        if let Some(t) = info.exchange.map(|api| api.dltensor(obj)).transpose()?.flatten() {
+            if Device::from(t.device) == Device::CPU {
+                let mut b = blank();
+                b.tensor = t;
+                own_shape(&mut b)?;
+                set_strides_from_tensor(&mut b)?;
                 return Self::from_borrow(b, Flags::NONE);
             }
             // Device memory needs stream handling: fall through to the protocol path.
@@ -225,6 +239,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for TensorView<'a> {
 fn blank() -> Box<Borrow> {
     if let Some(mut b) = POOL.with_borrow_mut(Vec::pop) {
         b.spill.clear();
+        b.shape_spill.clear();
         return b;
     }
     Box::new(Borrow {
@@ -239,6 +254,8 @@ fn blank() -> Box<Borrow> {
         },
         strides: [0; INLINE],
         spill: Vec::new(),
+        shape: [0; INLINE],
+        shape_spill: Vec::new(),
         buffer: None,
     })
 }
@@ -252,6 +269,43 @@ fn set_strides(b: &mut Borrow, strides: &[i64]) {
         b.spill = strides.to_vec();
     }
     point_strides(b, n);
+}
+
+/// Copies the shape `b.tensor` points to into the block and points it there, so Python code the
+/// called function runs cannot change the view's shape under it (numpy's `a.shape = ...` frees the
+/// old dimensions; torch's in-place `unsqueeze_` rewrites them).
+fn own_shape(b: &mut Borrow) -> PyResult<()> {
+    // SAFETY: the producer's pointers, read for ndim entries after dims_of's checks.
+    let (shape, _) = unsafe { crate::managed::dims_of(&b.tensor) }?;
+    let n = shape.len();
+    if n <= INLINE {
+        b.shape[..n].copy_from_slice(shape);
+        b.tensor.shape = if n == 0 { std::ptr::null_mut() } else { b.shape.as_mut_ptr() };
+    } else {
+        b.shape_spill = shape.to_vec();
+        b.tensor.shape = b.shape_spill.as_mut_ptr();
+    }
+    Ok(())
+}
+
+/// Copies the strides `b.tensor` points to (when any) into the block, as [`own_shape`] does.
+fn set_strides_from_tensor(b: &mut Borrow) -> PyResult<()> {
+    // SAFETY: as in own_shape.
+    let (_, strides) = unsafe { crate::managed::dims_of(&b.tensor) }?;
+    if let Some(s) = strides {
+        let (inline, spill): ([i64; INLINE], Vec<i64>) = if s.len() <= INLINE {
+            let mut a = [0; INLINE];
+            a[..s.len()].copy_from_slice(s);
+            (a, Vec::new())
+        } else {
+            ([0; INLINE], s.to_vec())
+        };
+        let n = s.len();
+        b.strides = inline;
+        b.spill = spill;
+        point_strides(b, n);
+    }
+    Ok(())
 }
 
 fn point_strides(b: &mut Borrow, n: usize) {
