@@ -552,6 +552,7 @@ impl ManagedTensor {
 
     /// [`ManagedTensor::export_versioned`] with the device the consumer asked for (a host-accessible
     /// alias such as cpu for cuda_host memory) and explicit flags.
+    #[cfg(feature = "python")]
     pub(crate) fn export_versioned_as(
         self: &Arc<Self>,
         device: Device,
@@ -561,6 +562,7 @@ impl ManagedTensor {
     }
 
     /// [`ManagedTensor::export_legacy`] with the device the consumer asked for.
+    #[cfg(feature = "python")]
     pub(crate) fn export_legacy_as(self: &Arc<Self>, device: Device) -> NonNull<DLManagedTensor> {
         export_legacy(Parts { device, ..self.parts() }, Arc::clone(self))
     }

@@ -103,7 +103,7 @@ impl ManagedTensor {
     /// ownership passes to this call. If its major version is 1, its `shape` and `strides`
     /// pointers are NULL or point to `ndim` readable `i64`s while the tensor lives.
     pub unsafe fn from_raw_versioned(ptr: *mut DLManagedTensorVersioned) -> Result<Self> {
-        let p = NonNull::new(ptr).ok_or(Error::NullTensor)?;
+        let Some(p) = NonNull::new(ptr) else { return Err(Error::NullTensor) };
         let raw = Raw::Versioned(p);
         // SAFETY: the caller promises a live struct; `version` is in the frozen prefix.
         let (version, flags) = unsafe { ((*ptr).version, (*ptr).flags) };
@@ -131,7 +131,7 @@ impl ManagedTensor {
     /// and whose `shape` and `strides` pointers are NULL or point to `ndim` readable `i64`s while
     /// the tensor lives.
     pub unsafe fn from_raw_legacy(ptr: *mut DLManagedTensor) -> Result<Self> {
-        let p = NonNull::new(ptr).ok_or(Error::NullTensor)?;
+        let Some(p) = NonNull::new(ptr) else { return Err(Error::NullTensor) };
         let raw = Raw::Legacy(p);
         // SAFETY: the caller promises a live legacy struct.
         unsafe { Self::validate(raw, &(*ptr).dl_tensor, Flags::NONE) }.inspect_err(|_| {
@@ -176,10 +176,10 @@ impl ManagedTensor {
             (None, s) => s.unwrap_or(&[]),
         };
         let data = t.data as usize;
-        let start = usize::try_from(t.byte_offset)
-            .ok()
-            .and_then(|off| data.checked_add(off))
-            .ok_or(Error::ByteOffsetOverflow { data, byte_offset: t.byte_offset })?;
+        // (let-else rather than ok_or: an Error built eagerly is also dropped on the hot path.)
+        let Some(start) = usize::try_from(t.byte_offset).ok().and_then(|off| data.checked_add(off)) else {
+            return Err(Error::ByteOffsetOverflow { data, byte_offset: t.byte_offset });
+        };
         if numel > 0 {
             if t.data.is_null() {
                 return Err(Error::NullData { numel });
@@ -312,6 +312,7 @@ impl ManagedTensor {
     }
 
     /// This tensor with `extra` flags set too (IS_COPIED for a copy made on this side).
+    #[cfg(feature = "python")]
     pub(crate) fn with_flags(mut self, extra: Flags) -> Self {
         self.flags |= extra;
         self
