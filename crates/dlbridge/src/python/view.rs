@@ -128,15 +128,14 @@ impl TensorView<'_> {
             device: Device::CPU.to_raw(),
             ndim: n as i32,
             dtype: p.dtype.to_raw(),
-            // npy_intp and int64_t have the same size and alignment on 64-bit targets.
-            shape: p.shape.as_ptr().cast_mut().cast(),
+            shape: std::ptr::null_mut(),
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         };
         point_strides(&mut b, n);
-        if let Err(e) = own_shape(&mut b) {
-            return Some(Err(e));
-        }
+        // npy_intp and int64_t have the same size and alignment on 64-bit targets.
+        // SAFETY: the array's n extents read as i64 instead of isize (identical layout).
+        set_shape(&mut b, unsafe { std::slice::from_raw_parts(p.shape.as_ptr().cast::<i64>(), n) });
         Some(Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, p.readonly)))
     }
 
@@ -160,10 +159,15 @@ impl TensorView<'_> {
         }
         if let Some(t) = info.exchange.map(|api| api.dltensor(obj)).transpose()?.flatten() {
             if Device::from(t.device) == Device::CPU {
+                // SAFETY: the producer's description, read at once for ndim entries (checked).
+                let (shape, strides) = unsafe { crate::managed::dims_of(&t) }?;
                 let mut b = blank();
                 b.tensor = t;
-                own_shape(&mut b)?;
-                set_strides_from_tensor(&mut b)?;
+                set_shape(&mut b, shape);
+                match strides {
+                    Some(s) => set_strides(&mut b, s),
+                    None => b.tensor.strides = std::ptr::null_mut(),
+                }
                 return Self::from_borrow(b, Flags::NONE);
             }
             // Device memory needs stream handling: fall through to the protocol path.
@@ -271,41 +275,20 @@ fn set_strides(b: &mut Borrow, strides: &[i64]) {
     point_strides(b, n);
 }
 
-/// Copies the shape `b.tensor` points to into the block and points it there, so Python code the
-/// called function runs cannot change the view's shape under it (numpy's `a.shape = ...` frees the
-/// old dimensions; torch's in-place `unsqueeze_` rewrites them).
-fn own_shape(b: &mut Borrow) -> PyResult<()> {
-    // SAFETY: the producer's pointers, read for ndim entries after dims_of's checks.
-    let (shape, _) = unsafe { crate::managed::dims_of(&b.tensor) }?;
+/// Copies `shape` into the block and points the DLTensor at it. Views keep their own shape (and
+/// strides), so Python code the called function runs cannot change them under the view (numpy's
+/// `a.shape = ...` frees the old dimensions; torch's in-place `unsqueeze_` rewrites them).
+fn set_shape(b: &mut Borrow, shape: &[i64]) {
     let n = shape.len();
-    if n <= INLINE {
+    b.tensor.shape = if n == 0 {
+        std::ptr::null_mut()
+    } else if n <= INLINE {
         b.shape[..n].copy_from_slice(shape);
-        b.tensor.shape = if n == 0 { std::ptr::null_mut() } else { b.shape.as_mut_ptr() };
+        b.shape.as_mut_ptr()
     } else {
         b.shape_spill = shape.to_vec();
-        b.tensor.shape = b.shape_spill.as_mut_ptr();
-    }
-    Ok(())
-}
-
-/// Copies the strides `b.tensor` points to (when any) into the block, as [`own_shape`] does.
-fn set_strides_from_tensor(b: &mut Borrow) -> PyResult<()> {
-    // SAFETY: as in own_shape.
-    let (_, strides) = unsafe { crate::managed::dims_of(&b.tensor) }?;
-    if let Some(s) = strides {
-        let (inline, spill): ([i64; INLINE], Vec<i64>) = if s.len() <= INLINE {
-            let mut a = [0; INLINE];
-            a[..s.len()].copy_from_slice(s);
-            (a, Vec::new())
-        } else {
-            ([0; INLINE], s.to_vec())
-        };
-        let n = s.len();
-        b.strides = inline;
-        b.spill = spill;
-        point_strides(b, n);
-    }
-    Ok(())
+        b.shape_spill.as_mut_ptr()
+    };
 }
 
 fn point_strides(b: &mut Borrow, n: usize) {
