@@ -285,59 +285,50 @@ impl Parts<'_> {
     }
 }
 
+/// Allocates one [`Exported`] and fills it in place (a 200-byte struct built on the stack and
+/// then moved into its box costs a `memcpy` per export): dims first, then the head made by
+/// `head(dl_tensor, manager_ctx)` pointing into them, then the owner.
+fn new_exported<H, O>(
+    parts: &Parts<'_>,
+    owner: O,
+    head: impl FnOnce(DLTensor, *mut c_void) -> H,
+) -> NonNull<H> {
+    let mut b = Box::<Exported<H, O>>::new_uninit();
+    let p = b.as_mut_ptr();
+    // SAFETY: each field of the fresh allocation is written exactly once through a raw pointer
+    // before the box is treated as initialised; `dims` is written before it is borrowed.
+    unsafe {
+        std::ptr::addr_of_mut!((*p).dims).write(Dims::new(parts.shape, parts.strides));
+        let t = parts.dl_tensor(&mut *std::ptr::addr_of_mut!((*p).dims));
+        std::ptr::addr_of_mut!((*p).head).write(head(t, p.cast()));
+        std::ptr::addr_of_mut!((*p).owner).write(owner);
+        NonNull::new_unchecked(Box::into_raw(b.assume_init()).cast::<H>())
+    }
+}
+
 /// A new versioned managed tensor owning `owner`; the caller owns the result.
 pub(crate) fn export_versioned<O: Send + 'static>(
     parts: Parts<'_>,
     flags: Flags,
     owner: O,
 ) -> NonNull<DLManagedTensorVersioned> {
-    let mut b = Box::new(Exported {
-        head: DLManagedTensorVersioned {
-            version: Version::CURRENT.to_raw(),
-            manager_ctx: std::ptr::null_mut(),
-            deleter: Some(delete_versioned::<O>),
-            flags: flags.0,
-            dl_tensor: DLTensor { ndim: 0, ..EMPTY },
-        },
-        dims: Dims::new(parts.shape, parts.strides),
-        owner,
-    });
-    b.head.dl_tensor = parts.dl_tensor(&mut b.dims);
-    let p = NonNull::from(Box::leak(b));
-    let head = p.cast::<DLManagedTensorVersioned>();
-    // SAFETY: `head` points into the live allocation just leaked.
-    unsafe { (*head.as_ptr()).manager_ctx = p.as_ptr().cast() };
-    head
+    new_exported(&parts, owner, |dl_tensor, manager_ctx| DLManagedTensorVersioned {
+        version: Version::CURRENT.to_raw(),
+        manager_ctx,
+        deleter: Some(delete_versioned::<O>),
+        flags: flags.0,
+        dl_tensor,
+    })
 }
 
 /// A new legacy managed tensor owning `owner`; the caller owns the result.
 pub(crate) fn export_legacy<O: Send + 'static>(parts: Parts<'_>, owner: O) -> NonNull<DLManagedTensor> {
-    let mut b = Box::new(Exported {
-        head: DLManagedTensor {
-            dl_tensor: DLTensor { ndim: 0, ..EMPTY },
-            manager_ctx: std::ptr::null_mut(),
-            deleter: Some(delete_legacy::<O>),
-        },
-        dims: Dims::new(parts.shape, parts.strides),
-        owner,
-    });
-    b.head.dl_tensor = parts.dl_tensor(&mut b.dims);
-    let p = NonNull::from(Box::leak(b));
-    let head = p.cast::<DLManagedTensor>();
-    // SAFETY: `head` points into the live allocation just leaked.
-    unsafe { (*head.as_ptr()).manager_ctx = p.as_ptr().cast() };
-    head
+    new_exported(&parts, owner, |dl_tensor, manager_ctx| DLManagedTensor {
+        dl_tensor,
+        manager_ctx,
+        deleter: Some(delete_legacy::<O>),
+    })
 }
-
-const EMPTY: DLTensor = DLTensor {
-    data: std::ptr::null_mut(),
-    device: Device::CPU.to_raw(),
-    ndim: 0,
-    dtype: DataType::UINT8.to_raw(),
-    shape: std::ptr::null_mut(),
-    strides: std::ptr::null_mut(),
-    byte_offset: 0,
-};
 
 fn to_i64(v: &[usize], field: &str) -> Result<Vec<i64>> {
     v.iter().map(|&x| i64::try_from(x)).collect::<Result<_, _>>().map_err(|_| Error::BufferMismatch {

@@ -257,3 +257,54 @@ def test_a_view_keeps_its_shape_when_python_reshapes_the_source_during_the_call(
     seen = _dlbridge._view_then(x, lambda: x.unsqueeze_(0))
     assert seen == (x.data_ptr(), [6], [1], "float32", False)
     assert tuple(x.shape) == (1, 6)
+
+
+# --- the fastcall entry points (Tensor.__dlpack__, from_dlpack, asdlpack) --------------------------
+
+
+def _tensor() -> dlbridge.Tensor:
+    return dlbridge.asdlpack(bytearray(b"\x01\x02\x03"))
+
+
+def test_dlpack_keyword_names_built_at_run_time_are_matched_by_text():
+    # Names made at run time are not interned, so the pointer match misses and the text
+    # comparison must find them.
+    name = "".join(["max_", "version"])
+    interned = "max_version"
+    assert name == interned and name is not interned
+    cap = _tensor().__dlpack__(**{name: (1, 0)})
+    assert '"dltensor_versioned"' in repr(cap)
+    assert '"dltensor"' in repr(_tensor().__dlpack__(**{"".join(["max_", "version"]): None}))
+
+
+def test_fastcall_entry_points_name_the_bad_argument():
+    t = _tensor()
+    with pytest.raises(TypeError, match=r"__dlpack__\(\) takes 0 positional arguments but 1 were given"):
+        t.__dlpack__((1, 0))
+    with pytest.raises(TypeError, match=r"__dlpack__\(\) got an unexpected keyword argument 'maxversion'"):
+        t.__dlpack__(maxversion=(1, 0))
+    with pytest.raises(TypeError, match=r"from_dlpack\(\) takes 1 positional argument but 0 were given"):
+        dlbridge.from_dlpack()
+    with pytest.raises(TypeError, match=r"from_dlpack\(\): argument 'copy'"):
+        dlbridge.from_dlpack(t, copy=3)
+    with pytest.raises(TypeError, match=r"from_dlpack\(\): argument 'legacy_writable'"):
+        dlbridge.from_dlpack(t, legacy_writable="yes")
+    with pytest.raises(TypeError, match=r"asdlpack\(\): argument 'device_id'"):
+        dlbridge.asdlpack(t, device_id="0")
+    with pytest.raises(TypeError, match=r"asdlpack\(\) takes 1 positional argument but 2 were given"):
+        dlbridge.asdlpack(t, 0)
+    with pytest.raises(TypeError, match=r"from_dlpack\(\) got an unexpected keyword argument 'devise'"):
+        dlbridge.from_dlpack(t, devise="cpu")
+
+
+def test_fastcall_entry_points_keep_their_signatures():
+    import inspect
+
+    assert str(inspect.signature(dlbridge.Tensor.__dlpack__)) == "(self, /, *, stream=None, max_version=None, dl_device=None, copy=None)"
+    assert str(inspect.signature(dlbridge.from_dlpack)) == "(x, /, *, device=None, copy=None, stream=None, legacy_writable=False)"
+    assert str(inspect.signature(dlbridge.asdlpack)) == "(obj, /, *, device_id=None)"
+    assert type(dlbridge.Tensor.__dict__["__dlpack__"]).__name__ == "method_descriptor"
+    # Keywords given explicitly as None are the defaults.
+    t = dlbridge.from_dlpack(_tensor(), device=None, copy=None, stream=None, legacy_writable=False)
+    assert t.shape == (3,)
+    assert dlbridge.asdlpack(t, device_id=None).shape == (3,)

@@ -90,6 +90,7 @@ impl ExchangeApi {
 
     /// Exports `obj` (an instance of the type the table came from) as an owning tensor, without
     /// stream synchronisation.
+    #[inline]
     pub fn managed_tensor(&self, obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
         let f = self.0.managed_tensor_from_py_object_no_sync.expect("checked non-NULL");
         let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();

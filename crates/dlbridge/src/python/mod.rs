@@ -22,6 +22,7 @@
 mod cache;
 mod capsule;
 mod exchange;
+mod fastcall;
 mod import;
 mod numpy;
 mod protocols;
@@ -43,29 +44,90 @@ pub use view::TensorView;
 
 use crate::dtype::DataType;
 
-/// Imports any DLPack producer (an object with `__dlpack__`, a bare capsule, or a
-/// `dlbridge.Tensor`) as a `dlbridge.Tensor`, without copying unless `copy=True`.
-#[pyfunction]
-#[pyo3(signature = (x, /, *, device=None, copy=None, stream=None, legacy_writable=false))]
-fn from_dlpack<'py>(
-    x: &Bound<'py, PyAny>,
-    device: Option<&Bound<'py, PyAny>>,
-    copy: Option<bool>,
-    stream: Option<Bound<'py, PyAny>>,
-    legacy_writable: bool,
-) -> PyResult<Tensor> {
-    let opts = import::options(device, copy, stream, legacy_writable)?;
-    Ok(Tensor::new(from_dlpack_with(x, &opts)?))
+/// Extracts an optional keyword value as `T`; a wrong type is a TypeError naming the argument.
+fn keyword<'py, T: for<'a> FromPyObject<'a, 'py>>(
+    fname: &str,
+    name: &str,
+    v: Option<Borrowed<'_, 'py, PyAny>>,
+) -> PyResult<Option<T>> {
+    match v.filter(|v| !v.is_none()) {
+        None => Ok(None),
+        Some(v) => v.extract::<T>().map(Some).map_err(|e| {
+            let e: PyErr = e.into();
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "{fname}(): argument '{name}': {}",
+                e.value(v.py())
+            ))
+        }),
+    }
 }
 
-/// Wraps any object that speaks an array protocol (DLPack, the buffer protocol,
-/// `__array_interface__`, `__cuda_array_interface__`) as a `dlbridge.Tensor`, without copying.
-/// `device_id` names the CUDA device of a CUDA-array-interface pointer when no driver can tell.
-#[pyfunction]
-#[pyo3(signature = (obj, /, *, device_id=None))]
-fn asdlpack(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult<Tensor> {
-    let any = asdlpack_with(obj, device_id)?;
-    Ok(Tensor::with_producer_stream(any.tensor, any.producer_stream))
+/// `dlbridge.from_dlpack`: imports any DLPack producer (an object with `__dlpack__`, a bare
+/// capsule, or a `dlbridge.Tensor`) as a `dlbridge.Tensor`, without copying unless `copy=True`.
+/// (Fastcall, see `fastcall.rs`: this is the entry point of every Python-level import.)
+static FROM_DLPACK_DEF: fastcall::StaticDef = fastcall::StaticDef::new(
+    c"from_dlpack",
+    from_dlpack_fastcall,
+    c"from_dlpack(x, /, *, device=None, copy=None, stream=None, legacy_writable=False)\n--\n\nImports any DLPack producer (an object with `__dlpack__`, a bare capsule, or a\n`dlbridge.Tensor`) as a `dlbridge.Tensor`, without copying unless `copy=True`.",
+);
+
+unsafe extern "C" fn from_dlpack_fastcall(
+    _module: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargs: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    // SAFETY: CPython calls a function with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    fastcall::run(py, || {
+        let names = [
+            pyo3::intern!(py, "device"),
+            pyo3::intern!(py, "copy"),
+            pyo3::intern!(py, "stream"),
+            pyo3::intern!(py, "legacy_writable"),
+        ];
+        // SAFETY: CPython's fastcall arguments, alive for the call.
+        let ([x], [device, copy, stream, legacy]) =
+            unsafe { fastcall::parse::<1, 4>(py, "from_dlpack", args, nargs, kwnames, names) }?;
+        let opts = if device.is_none() && copy.is_none() && stream.is_none() && legacy.is_none() {
+            ImportOptions::default()
+        } else {
+            let copy = keyword::<bool>("from_dlpack", "copy", copy)?;
+            let legacy = keyword::<bool>("from_dlpack", "legacy_writable", legacy)?.unwrap_or(false);
+            let stream = stream.filter(|s| !s.is_none()).map(|s| s.to_owned());
+            import::options(device.as_deref().filter(|d| !d.is_none()), copy, stream, legacy)?
+        };
+        Ok(Bound::new(py, Tensor::new(from_dlpack_with(&x, &opts)?))?.into_any())
+    })
+}
+
+/// `dlbridge.asdlpack`: wraps any object that speaks an array protocol (DLPack, the buffer
+/// protocol, `__array_interface__`, `__cuda_array_interface__`) as a `dlbridge.Tensor`, without
+/// copying. `device_id` names the CUDA device of a CUDA-array-interface pointer when no driver can
+/// tell. (Fastcall, see `fastcall.rs`.)
+static ASDLPACK_DEF: fastcall::StaticDef = fastcall::StaticDef::new(
+    c"asdlpack",
+    asdlpack_fastcall,
+    c"asdlpack(obj, /, *, device_id=None)\n--\n\nWraps any object that speaks an array protocol (DLPack, the buffer protocol,\n`__array_interface__`, `__cuda_array_interface__`) as a `dlbridge.Tensor`, without copying.\n`device_id` names the CUDA device of a CUDA-array-interface pointer when no driver can tell.",
+);
+
+unsafe extern "C" fn asdlpack_fastcall(
+    _module: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargs: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    // SAFETY: CPython calls a function with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    fastcall::run(py, || {
+        // SAFETY: CPython's fastcall arguments, alive for the call.
+        let ([obj], [device_id]) = unsafe {
+            fastcall::parse::<1, 1>(py, "asdlpack", args, nargs, kwnames, [pyo3::intern!(py, "device_id")])
+        }?;
+        let device_id = keyword::<i32>("asdlpack", "device_id", device_id)?;
+        let any = asdlpack_with(&obj, device_id)?;
+        Ok(Bound::new(py, Tensor::with_producer_stream(any.tensor, any.producer_stream))?.into_any())
+    })
 }
 
 /// Whether a CUDA driver could be loaded in this process (tests use it to pick expectations).
@@ -174,8 +236,8 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDType>()?;
     m.add_class::<PyDevice>()?;
     m.add("DeviceType", device_type_enum(py)?)?;
-    m.add_function(wrap_pyfunction!(from_dlpack, m)?)?;
-    m.add_function(wrap_pyfunction!(asdlpack, m)?)?;
+    m.add("from_dlpack", FROM_DLPACK_DEF.function(m)?)?;
+    m.add("asdlpack", ASDLPACK_DEF.function(m)?)?;
     m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;

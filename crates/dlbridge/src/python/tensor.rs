@@ -14,6 +14,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyTuple};
 
 use super::capsule::{legacy_capsule, versioned_capsule};
+use super::fastcall::{self, StaticDef};
 use super::types::{PyDType, PyDevice, dlpack_device_tuple};
 use crate::device::{Device, DeviceType};
 use crate::dtype::DataType;
@@ -127,7 +128,85 @@ fn parse_max_version(v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<(i64, i64)
     })
 }
 
+/// `Tensor.__dlpack__`'s definition (fastcall; keyword-only parameters).
+static DLPACK_DEF: StaticDef = StaticDef::new(
+    c"__dlpack__",
+    dlpack_fastcall,
+    c"__dlpack__($self, /, *, stream=None, max_version=None, dl_device=None, copy=None)\n--\n\nExports a DLPack capsule, per the array API standard: a versioned (1.3) capsule when\n`max_version` is at least `(1, 0)`, a legacy one otherwise.",
+);
+
+unsafe extern "C" fn dlpack_fastcall(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls a method with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    fastcall::run(py, || {
+        let names = [
+            pyo3::intern!(py, "stream"),
+            pyo3::intern!(py, "max_version"),
+            pyo3::intern!(py, "dl_device"),
+            pyo3::intern!(py, "copy"),
+        ];
+        // SAFETY: CPython's fastcall arguments, alive for the call.
+        let ([], [stream, max_version, dl_device, copy]) =
+            unsafe { fastcall::parse::<0, 4>(py, "__dlpack__", args, nargs, kwnames, names) }?;
+        // SAFETY: the method descriptor checked that `slf` is a Tensor (a final class), borrowed.
+        let t = unsafe { Bound::from_borrowed_ptr(py, slf).cast_into_unchecked::<Tensor>() };
+        t.get().dlpack(py, stream.as_deref(), max_version.as_deref(), dl_device.as_deref(), copy.as_deref())
+    })
+}
+
 impl Tensor {
+    /// The body of `__dlpack__` (see the method's doc above).
+    fn dlpack<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<&Bound<'py, PyAny>>,
+        max_version: Option<&Bound<'py, PyAny>>,
+        dl_device: Option<&Bound<'py, PyAny>>,
+        copy: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let versioned = parse_max_version(max_version)?.is_some_and(|(major, _)| major >= 1);
+        let copy = match copy.filter(|c| !c.is_none()) {
+            None => None,
+            Some(c) => Some(c.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "__dlpack__: copy must be None or a bool, got {}",
+                    c.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                ))
+            })?),
+        };
+        self.check_stream(stream)?;
+        let device = self.target_device(dl_device)?;
+        self.sync_streams(stream)?;
+        let (source, flags) = if copy == Some(true) {
+            if !self.inner.is_host_accessible() {
+                return Err(PyBufferError::new_err(format!(
+                    "__dlpack__: copy=True needs host memory; this tensor is on {}",
+                    self.inner.device()
+                )));
+            }
+            let c = self.inner.to_contiguous()?;
+            (Arc::new(c), Flags::IS_COPIED)
+        } else {
+            (Arc::clone(&self.inner), self.inner.flags())
+        };
+        if versioned {
+            versioned_capsule(py, source.export_versioned_as(device, flags))
+        } else if flags.is_read_only() && source.is_versioned() {
+            // A tensor that came from a legacy capsule is read-only only by assumption; handing it
+            // on as legacy claims no more than its producer did (jax -> dlbridge -> jax works).
+            Err(PyBufferError::new_err(
+                "__dlpack__: this tensor is read-only and a legacy capsule (max_version None or below (1, 0)) cannot say so; ask with max_version=(1, 0) or later, or copy=True",
+            ))
+        } else {
+            legacy_capsule(py, source.export_legacy_as(device))
+        }
+    }
+
     fn check_stream(&self, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let Some(s) = stream.filter(|s| !s.is_none()) else { return Ok(()) };
         let dev = self.inner.device();
@@ -203,51 +282,12 @@ impl Tensor {
     /// `max_version` is at least `(1, 0)`, a legacy one otherwise. A read-only tensor refuses a
     /// legacy capsule (it cannot say read-only), unless the tensor itself came from a legacy
     /// capsule, whose read-only mark is only dlbridge's assumption.
-    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
-    fn __dlpack__<'py>(
-        &self,
-        py: Python<'py>,
-        stream: Option<&Bound<'py, PyAny>>,
-        max_version: Option<&Bound<'py, PyAny>>,
-        dl_device: Option<&Bound<'py, PyAny>>,
-        copy: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let versioned = parse_max_version(max_version)?.is_some_and(|(major, _)| major >= 1);
-        let copy = match copy.filter(|c| !c.is_none()) {
-            None => None,
-            Some(c) => Some(c.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "__dlpack__: copy must be None or a bool, got {}",
-                    c.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-                ))
-            })?),
-        };
-        self.check_stream(stream)?;
-        let device = self.target_device(dl_device)?;
-        self.sync_streams(stream)?;
-        let (source, flags) = if copy == Some(true) {
-            if !self.inner.is_host_accessible() {
-                return Err(PyBufferError::new_err(format!(
-                    "__dlpack__: copy=True needs host memory; this tensor is on {}",
-                    self.inner.device()
-                )));
-            }
-            let c = self.inner.to_contiguous()?;
-            (Arc::new(c), Flags::IS_COPIED)
-        } else {
-            (Arc::clone(&self.inner), self.inner.flags())
-        };
-        if versioned {
-            versioned_capsule(py, source.export_versioned_as(device, flags))
-        } else if flags.is_read_only() && source.is_versioned() {
-            // A tensor that came from a legacy capsule is read-only only by assumption; handing it
-            // on as legacy claims no more than its producer did (jax -> dlbridge -> jax works).
-            Err(PyBufferError::new_err(
-                "__dlpack__: this tensor is read-only and a legacy capsule (max_version None or below (1, 0)) cannot say so; ask with max_version=(1, 0) or later, or copy=True",
-            ))
-        } else {
-            legacy_capsule(py, source.export_legacy_as(device))
-        }
+    ///
+    /// (Defined with CPython's fastcall convention, see `fastcall.rs`: this class attribute is
+    /// the method descriptor.)
+    #[classattr]
+    fn __dlpack__(py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(DLPACK_DEF.method(&py.get_type::<Tensor>())?.unbind())
     }
 
     /// `(DeviceType, id)`.
