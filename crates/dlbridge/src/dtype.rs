@@ -197,18 +197,7 @@ impl DataType {
     /// ```
     pub fn validate(self) -> Result<(), Error> {
         let DLDataType { code, bits, lanes } = self.0;
-        let ok_bits: &[u8] = match code {
-            TypeCode::INT | TypeCode::UINT => &[1, 2, 4, 8, 16, 32, 64],
-            TypeCode::FLOAT => &[16, 32, 64],
-            TypeCode::OPAQUE_HANDLE => &[8, 16, 32, 64],
-            TypeCode::BFLOAT => &[16],
-            TypeCode::COMPLEX => &[32, 64, 128],
-            TypeCode::BOOL => &[8],
-            c if (TypeCode::FLOAT8_E3M4.0..=TypeCode::FLOAT8_E8M0FNU.0).contains(&c.0) => &[8],
-            TypeCode::FLOAT6_E2M3FN | TypeCode::FLOAT6_E3M2FN => &[6],
-            TypeCode::FLOAT4_E2M1FN => &[4],
-            _ => return Err(Error::UnknownTypeCode { code: code.0 }),
-        };
+        let Some(ok_bits) = allowed_bits(code) else { return Err(Error::UnknownTypeCode { code: code.0 }) };
         if !ok_bits.contains(&bits) {
             return Err(Error::InvalidBits { dtype: self, allowed: ok_bits });
         }
@@ -216,6 +205,14 @@ impl DataType {
             return Err(Error::ZeroLanes { dtype: self });
         }
         Ok(())
+    }
+
+    /// Whether [`DataType::validate`] would accept this dtype, without building an error (the
+    /// validation fast path asks this on every import).
+    #[inline]
+    pub(crate) fn is_valid(self) -> bool {
+        let DLDataType { code, bits, lanes } = self.0;
+        lanes != 0 && allowed_bits(code).is_some_and(|ok| ok.contains(&bits))
     }
 
     fn base_name(self) -> Option<String> {
@@ -228,6 +225,24 @@ impl DataType {
         }
         WIDTH_NAMES.iter().find(|(c, _)| *c == code).map(|(_, prefix)| format!("{prefix}{bits}"))
     }
+}
+
+/// The bit widths a type code allows, or `None` for an unknown code (one table for
+/// [`DataType::validate`] and [`DataType::is_valid`]).
+#[inline]
+fn allowed_bits(code: TypeCode) -> Option<&'static [u8]> {
+    Some(match code {
+        TypeCode::INT | TypeCode::UINT => &[1, 2, 4, 8, 16, 32, 64],
+        TypeCode::FLOAT => &[16, 32, 64],
+        TypeCode::OPAQUE_HANDLE => &[8, 16, 32, 64],
+        TypeCode::BFLOAT => &[16],
+        TypeCode::COMPLEX => &[32, 64, 128],
+        TypeCode::BOOL => &[8],
+        c if (TypeCode::FLOAT8_E3M4.0..=TypeCode::FLOAT8_E8M0FNU.0).contains(&c.0) => &[8],
+        TypeCode::FLOAT6_E2M3FN | TypeCode::FLOAT6_E3M2FN => &[6],
+        TypeCode::FLOAT4_E2M1FN => &[4],
+        _ => return None,
+    })
 }
 
 impl From<DLDataType> for DataType {
@@ -359,6 +374,18 @@ unsafe impl Element for bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn is_valid_agrees_with_validate() {
+        for code in 0..=255u8 {
+            for bits in 0..=255u8 {
+                for lanes in [0u16, 1, 2, 4] {
+                    let t = DataType(DLDataType { code: TypeCode(code), bits, lanes });
+                    assert_eq!(t.is_valid(), t.validate().is_ok(), "{code} {bits} {lanes}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn every_named_dtype_round_trips_through_its_name_and_validates() {

@@ -509,8 +509,13 @@ impl ManagedTensor {
         }
         let parts = Parts { data, device, dtype, shape, strides, byte_offset };
         let raw = export_versioned(parts, flags, owner);
-        // SAFETY: a versioned struct just made and owned here; validation frees it on refusal.
-        unsafe { Self::from_raw_versioned(raw.as_ptr()) }
+        // SAFETY: a versioned struct just made and owned here (the common case taken first);
+        // validation frees it on refusal.
+        match unsafe { Self::take_if_common(raw) } {
+            Some(t) => Ok(t),
+            // SAFETY: as above; nothing was taken.
+            None => unsafe { Self::from_raw_versioned(raw.as_ptr()) },
+        }
     }
 
     fn parts(&self) -> Parts<'_> {

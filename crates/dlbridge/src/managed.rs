@@ -122,6 +122,29 @@ impl ManagedTensor {
         })
     }
 
+    /// [`ManagedTensor::from_raw_versioned`] for the common tensor only (see [`fast_accept`]):
+    /// `Some` takes ownership; `None` takes nothing and the caller goes on with
+    /// `from_raw_versioned`, which accepts or names the failure. The hot import paths call this
+    /// first: an `Option<ManagedTensor>` stays in registers, while a `Result<ManagedTensor, Error>`
+    /// merged from the fast and the general path was copied piecewise through the stack and read
+    /// back whole (a store-forwarding stall, the largest cost perf showed in a torch import).
+    ///
+    /// # Safety
+    ///
+    /// As for [`ManagedTensor::from_raw_versioned`], with `ptr` non-NULL.
+    #[inline(always)]
+    pub(crate) unsafe fn take_if_common(ptr: NonNull<DLManagedTensorVersioned>) -> Option<Self> {
+        let p = ptr.as_ptr();
+        // SAFETY: the caller's promise: a live struct; `version` and `flags` are in the prefix.
+        let (version, flags) = unsafe { ((*p).version, Flags((*p).flags)) };
+        if version.major != 1 {
+            return None;
+        }
+        // SAFETY: a major-1 struct has the 1.x layout; the caller's promise about shape/strides.
+        let numel = unsafe { fast_accept(&(*p).dl_tensor, flags) }?;
+        Some(Self { raw: Raw::Versioned(ptr), own_strides: None, flags, numel })
+    }
+
     /// Takes ownership of a legacy (pre-1.0) managed tensor after validating it. Its flags start
     /// empty: a legacy tensor cannot say whether it is read-only (see
     /// [`ManagedTensor::into_read_only`]).
@@ -427,7 +450,9 @@ unsafe fn fast_accept(t: &DLTensor, flags: Flags) -> Option<u64> {
         return None;
     }
     let dtype = DataType::from(t.dtype);
-    dtype.validate().ok()?;
+    if !dtype.is_valid() {
+        return None;
+    }
     let bits = dtype.storage_bits(flags.is_subbyte_padded());
     if bits == 0 || bits % 8 != 0 {
         return None;

@@ -44,7 +44,9 @@ fn key(ty: &Bound<'_, PyType>) -> (usize, u32) {
     (p as usize, if valid { tag } else { 0 })
 }
 
-/// What `ty` speaks (looked up on a cache miss).
+/// What `ty` speaks (looked up on a cache miss). The hit is inlined into the import paths, so
+/// no `PyResult` is built and read back through memory on every call.
+#[inline]
 pub fn type_info(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
     let (addr, tag) = key(ty);
     if tag != 0 {
@@ -53,6 +55,11 @@ pub fn type_info(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
             return Ok(info);
         }
     }
+    type_info_miss(ty)
+}
+
+#[inline(never)]
+fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
     let py = ty.py();
     let info = TypeInfo {
         exchange: ExchangeApi::of_type(ty)?,

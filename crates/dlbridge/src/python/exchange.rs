@@ -103,8 +103,16 @@ impl ExchangeApi {
                 )
             }));
         }
-        // SAFETY: on success `out` is an owning pointer handed to us.
-        let mt = unsafe { ManagedTensor::from_raw_versioned(out) }?;
+        let mt = match std::ptr::NonNull::new(out) {
+            // SAFETY: on success `out` is an owning pointer handed to us (common case first).
+            Some(p) => match unsafe { ManagedTensor::take_if_common(p) } {
+                Some(mt) => mt,
+                // SAFETY: as above; nothing was taken.
+                None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
+            },
+            // SAFETY: NULL is refused without being read.
+            None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
+        };
         refuse_lazy_views(obj, mt.dtype())?;
         Ok(mt)
     }
@@ -135,10 +143,16 @@ impl ExchangeApi {
 /// values before conjugation. torch's `__dlpack__` refuses such tensors, but its exchange table
 /// exports them as if the memory held the result, so the reader would see wrong values. Only
 /// complex tensors carry the conjugate bit, so only they pay for the check (a method call).
+#[inline]
 fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType) -> PyResult<()> {
     if dtype.code() != crate::dtype::TypeCode::COMPLEX {
         return Ok(());
     }
+    refuse_lazy_complex(obj)
+}
+
+#[inline(never)]
+fn refuse_lazy_complex(obj: &Bound<'_, PyAny>) -> PyResult<()> {
     let py = obj.py();
     for (method, what, fix) in [
         (intern!(py, "is_conj"), "the conjugate bit set", "resolve_conj"),

@@ -251,6 +251,7 @@ fn call_legacy<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyRes
 
 /// Applies what the producer could not: read-only for legacy tensors, the device check, and a
 /// copy when `copy=True` was asked of a producer that did not take the keyword (`self_copy`).
+#[inline]
 fn finish(mt: ManagedTensor, opts: &ImportOptions<'_>, self_copy: bool) -> PyResult<ManagedTensor> {
     let mut mt = if !mt.is_versioned() && !opts.legacy_writable { mt.into_read_only() } else { mt };
     if let Some(want) = opts.device {
