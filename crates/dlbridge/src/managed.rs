@@ -102,8 +102,8 @@ impl ManagedTensor {
     /// `ptr` is NULL or points to a live `DLManagedTensorVersioned` (of any major version) whose
     /// ownership passes to this call. If its major version is 1, its `shape` and `strides`
     /// pointers are NULL or point to `ndim` readable `i64`s while the tensor lives.
-    // Inlined into each caller: returned by value through a call, the Result is written in
-    // pieces and read back whole (a store-forwarding stall that cost ~10% of a torch import).
+    // Inlined into each caller, so the fast check's `Ok` is not returned through memory (the hot
+    // paths go further and call `take_if_common` first, see there).
     #[inline(always)]
     pub unsafe fn from_raw_versioned(ptr: *mut DLManagedTensorVersioned) -> Result<Self> {
         let Some(p) = NonNull::new(ptr) else { return Err(Error::NullTensor) };

@@ -103,14 +103,11 @@ impl ExchangeApi {
                 )
             }));
         }
-        let mt = match std::ptr::NonNull::new(out) {
-            // SAFETY: on success `out` is an owning pointer handed to us (common case first).
-            Some(p) => match unsafe { ManagedTensor::take_if_common(p) } {
-                Some(mt) => mt,
-                // SAFETY: as above; nothing was taken.
-                None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
-            },
-            // SAFETY: NULL is refused without being read.
+        // SAFETY: on success `out` is an owning pointer handed to us (the common case taken first).
+        let common = std::ptr::NonNull::new(out).and_then(|p| unsafe { ManagedTensor::take_if_common(p) });
+        let mt = match common {
+            Some(mt) => mt,
+            // SAFETY: as above; nothing was taken (NULL is refused without being read).
             None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
         };
         refuse_lazy_views(obj, mt.dtype())?;
