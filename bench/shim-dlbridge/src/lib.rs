@@ -60,6 +60,12 @@ fn torch_floor_view(x: &Bound<'_, PyAny>) -> PyResult<usize> {
     Ok(unsafe { t.assume_init() }.data as usize)
 }
 
+/// The floor of a function that returns an address: one object in, its address out as an int.
+#[pyfunction]
+fn ptr_floor(x: &Bound<'_, PyAny>) -> usize {
+    x.as_ptr() as usize
+}
+
 /// The floor: a trivial function taking one object.
 #[pyfunction]
 fn noop(_x: &Bound<'_, PyAny>) -> usize {
@@ -111,6 +117,7 @@ fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(import_ptr, m)?)?;
     m.add_function(wrap_pyfunction!(view_ptr, m)?)?;
     m.add_function(wrap_pyfunction!(noop, m)?)?;
+    m.add_function(wrap_pyfunction!(ptr_floor, m)?)?;
     m.add_function(wrap_pyfunction!(torch_floor_owned, m)?)?;
     m.add_function(wrap_pyfunction!(torch_floor_view, m)?)?;
     m.add_function(wrap_pyfunction!(export_fresh, m)?)?;

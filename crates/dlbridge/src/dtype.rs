@@ -212,7 +212,8 @@ impl DataType {
     #[inline]
     pub(crate) fn is_valid(self) -> bool {
         let DLDataType { code, bits, lanes } = self.0;
-        lanes != 0 && allowed_bits(code).is_some_and(|ok| ok.contains(&bits))
+        // Two table reads instead of a match and a search: this runs on every import.
+        lanes != 0 && (VALID_BITS[usize::from(code.0)] >> bits_slot(bits)) & 1 != 0
     }
 
     fn base_name(self) -> Option<String> {
@@ -227,10 +228,10 @@ impl DataType {
     }
 }
 
-/// The bit widths a type code allows, or `None` for an unknown code (one table for
-/// [`DataType::validate`] and [`DataType::is_valid`]).
+/// The bit widths a type code allows, or `None` for an unknown code (the one table behind
+/// [`DataType::validate`] and, through [`VALID_BITS`], [`DataType::is_valid`]).
 #[inline]
-fn allowed_bits(code: TypeCode) -> Option<&'static [u8]> {
+const fn allowed_bits(code: TypeCode) -> Option<&'static [u8]> {
     Some(match code {
         TypeCode::INT | TypeCode::UINT => &[1, 2, 4, 8, 16, 32, 64],
         TypeCode::FLOAT => &[16, 32, 64],
@@ -238,12 +239,47 @@ fn allowed_bits(code: TypeCode) -> Option<&'static [u8]> {
         TypeCode::BFLOAT => &[16],
         TypeCode::COMPLEX => &[32, 64, 128],
         TypeCode::BOOL => &[8],
-        c if (TypeCode::FLOAT8_E3M4.0..=TypeCode::FLOAT8_E8M0FNU.0).contains(&c.0) => &[8],
+        c if c.0 >= TypeCode::FLOAT8_E3M4.0 && c.0 <= TypeCode::FLOAT8_E8M0FNU.0 => &[8],
         TypeCode::FLOAT6_E2M3FN | TypeCode::FLOAT6_E3M2FN => &[6],
         TypeCode::FLOAT4_E2M1FN => &[4],
         _ => return None,
     })
 }
+
+/// A bit width's slot in [`VALID_BITS`]'s masks; 31 (never set) for a width no code allows.
+#[inline]
+const fn bits_slot(bits: u8) -> u32 {
+    match bits {
+        1 => 0,
+        2 => 1,
+        4 => 2,
+        6 => 3,
+        8 => 4,
+        16 => 5,
+        32 => 6,
+        64 => 7,
+        128 => 8,
+        _ => 31,
+    }
+}
+
+/// For each type code, a mask of the [`bits_slot`]s [`allowed_bits`] allows (0: unknown code),
+/// built from that table at compile time.
+static VALID_BITS: [u32; 256] = {
+    let mut masks = [0u32; 256];
+    let mut code = 0;
+    while code < 256 {
+        if let Some(widths) = allowed_bits(TypeCode(code as u8)) {
+            let mut i = 0;
+            while i < widths.len() {
+                masks[code] |= 1 << bits_slot(widths[i]);
+                i += 1;
+            }
+        }
+        code += 1;
+    }
+    masks
+};
 
 impl From<DLDataType> for DataType {
     fn from(raw: DLDataType) -> Self {

@@ -164,11 +164,15 @@ pub fn element_strides(
     out: &mut [i64],
 ) -> std::result::Result<(), String> {
     let item = i64::try_from(itemsize).unwrap_or(0);
+    // Every numpy dtype dlbridge reads has a power-of-two size: a mask and a shift per axis
+    // instead of a division.
+    let (pow2, shift) = (item != 0 && itemsize.is_power_of_two(), itemsize.trailing_zeros());
     for (axis, (o, b)) in out.iter_mut().zip(bytes).enumerate() {
-        if item == 0 || b % item != 0 {
+        let exact = if pow2 { b & (item - 1) == 0 } else { item != 0 && b % item == 0 };
+        if !exact {
             return Err(format!("strides[{axis}] = {b} bytes is not a multiple of the item size {itemsize}"));
         }
-        *o = b / item;
+        *o = if pow2 { b >> shift } else { b / item };
     }
     Ok(())
 }
@@ -365,6 +369,25 @@ mod tests {
         ) {
             let _ = array_layout("<f4", &shape, Some(&strides), offset, len);
             let _ = array_layout("|u1", &shape, None, offset, len);
+        }
+
+        /// The mask-and-shift path (power-of-two item sizes) agrees with plain division, for
+        /// every stride including negative ones and the extremes.
+        #[test]
+        fn element_strides_match_division(
+            bytes in prop::collection::vec(any::<i64>(), 0..5),
+            itemsize in prop::sample::select(vec![0usize, 1, 2, 3, 4, 6, 8, 12, 16, 32, 1 << 40, 1 << 63]),
+        ) {
+            let mut out = vec![0; bytes.len()];
+            let got = element_strides(bytes.iter().copied(), itemsize, &mut out).map(|()| out);
+            let want = bytes
+                .iter()
+                .map(|&b| match i64::try_from(itemsize) {
+                    Ok(i) if i != 0 && b % i == 0 => Some(b / i),
+                    _ => None,
+                })
+                .collect::<Option<Vec<i64>>>();
+            prop_assert_eq!(got.ok(), want);
         }
     }
 }

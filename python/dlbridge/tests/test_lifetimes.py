@@ -60,6 +60,19 @@ def test_unconsumed_capsules_free_only_themselves(np, max_version) -> None:
     assert gone() is None
 
 
+def test_buffer_view_released_when_numpy_drops_the_last_array(np) -> None:
+    # The buffer view is released inside numpy's deallocation, on the thread that holds the GIL
+    # (the direct path, without PyGILState_Ensure): the bytearray can resize again afterwards.
+    ba = bytearray(b"abcdefgh")
+    b = np.from_dlpack(dlbridge.asdlpack(ba))
+    with pytest.raises(BufferError):
+        ba.append(1)  # exported: resizing is refused while the view is held
+    assert bytes(b[:3]) == b"abc"
+    del b
+    ba.append(1)  # released: no BufferError
+    assert len(ba) == 9
+
+
 def test_deleter_runs_when_dropped_on_a_native_thread(np) -> None:
     a = np.arange(10.0)
     gone = weakref.ref(a)

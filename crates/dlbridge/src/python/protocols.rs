@@ -37,11 +37,30 @@ impl PyOwner {
 impl Drop for PyOwner {
     fn drop(&mut self) {
         if let Some(obj) = self.0.take() {
-            if Python::try_attach(|_py| drop(obj)).is_none() {
+            if attached_here() {
+                // The common case: a consumer's deleter running in Python code (numpy's and
+                // torch's array deallocation), where attaching through PyO3 would only cost a
+                // PyGILState_Ensure/Release pair.
+                // SAFETY: this thread holds the GIL (checked); the reference is ours to release.
+                unsafe { ffi::Py_DECREF(obj.into_ptr()) };
+            } else if Python::try_attach(|_py| drop(obj)).is_none() {
                 // The interpreter is finalizing or gone: the object cannot be released safely.
             }
         }
     }
+}
+
+/// Whether this thread holds the GIL (is attached to the interpreter), asked without taking it:
+/// the thread state CPython has current is this thread's own. False when in doubt (no current
+/// thread state, or one this thread did not get through `PyGILState`), and then callers attach
+/// through PyO3, which also handles a finalizing interpreter.
+#[inline]
+pub(crate) fn attached_here() -> bool {
+    // SAFETY: reads CPython's current thread state, NULL when none (also after finalization).
+    let current = unsafe { ffi::compat::PyThreadState_GetUnchecked() };
+    // SAFETY: only reached with a live runtime (a current thread state exists); reads this
+    // thread's own PyGILState slot.
+    !current.is_null() && current == unsafe { ffi::PyGILState_GetThisThreadState() }
 }
 
 /// A buffer-protocol view held for as long as a tensor uses it; released with the GIL.
@@ -53,6 +72,11 @@ unsafe impl Send for BufferOwner {}
 impl Drop for BufferOwner {
     fn drop(&mut self) {
         let view: *mut ffi::Py_buffer = &mut *self.0;
+        if attached_here() {
+            // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL (checked).
+            unsafe { ffi::PyBuffer_Release(view) };
+            return;
+        }
         let released = Python::try_attach(|_py| {
             // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL.
             unsafe { ffi::PyBuffer_Release(view) }
