@@ -5,6 +5,7 @@ numpy struct fast path, and the borrowed view. Fake exchange tables are written 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import pytest
 
@@ -116,6 +117,17 @@ def test_torch_exchange_table_is_consumed_with_the_same_result() -> None:
     via_protocol = dlbridge.from_dlpack(x, stream=None, copy=False)
     assert via_protocol.data_ptr == t.data_ptr
     assert _dlbridge._view(x) == (x.data_ptr(), [5], [2], "float32", False)
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (2, 3, 4, 5), (1,) * 8, (2,) * 9])
+def test_torch_views_copy_every_rank(shape) -> None:
+    # Up to 8 dimensions the view copies the dims inline; 0 and 9 take the checked copy.
+    torch = need("torch")
+    x = torch.arange(float(math.prod(shape)), dtype=torch.float32).reshape(shape)
+    if x.dim() >= 2:
+        x = x.transpose(0, x.dim() - 1)  # non-trivial strides
+    want = (x.data_ptr(), list(x.shape), list(x.stride()), "float32", False)
+    assert _dlbridge._view(x) == want
 
 
 class _FakeTableProducer:

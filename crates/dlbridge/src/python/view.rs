@@ -121,6 +121,7 @@ impl TensorView<'_> {
             super::numpy::element_strides(&p, &mut b.spill)
         };
         if !ok {
+            recycle(b);
             return None;
         }
         b.tensor = DLTensor {
@@ -159,14 +160,16 @@ impl TensorView<'_> {
         }
         if let Some(t) = info.exchange.map(|api| api.dltensor(obj)).transpose()?.flatten() {
             if Device::from(t.device) == Device::CPU {
-                // SAFETY: the producer's description, read at once for ndim entries (checked).
-                let (shape, strides) = unsafe { crate::managed::dims_of(&t) }?;
                 let mut b = blank();
                 b.tensor = t;
-                set_shape(&mut b, shape);
-                match strides {
-                    Some(s) => set_strides(&mut b, s),
-                    None => b.tensor.strides = std::ptr::null_mut(),
+                if !copy_dims_inline(&mut b, &t) {
+                    // SAFETY: the producer's description, read at once for ndim entries (checked).
+                    let (shape, strides) = unsafe { crate::managed::dims_of(&t) }?;
+                    set_shape(&mut b, shape);
+                    match strides {
+                        Some(s) => set_strides(&mut b, s),
+                        None => b.tensor.strides = std::ptr::null_mut(),
+                    }
                 }
                 return Self::from_borrow(b, Flags::NONE);
             }
@@ -221,15 +224,20 @@ impl Drop for TensorView<'_> {
     fn drop(&mut self) {
         // The borrowed ManagedTensor never dereferences its pointer when dropped, so the block can
         // be released and recycled first.
-        if let Some(mut b) = self.borrow.take() {
-            b.release();
-            POOL.with_borrow_mut(|p| {
-                if p.len() < 8 {
-                    p.push(b);
-                }
-            });
+        if let Some(b) = self.borrow.take() {
+            recycle(b);
         }
     }
+}
+
+/// Releases what a block holds and keeps it for the next view (up to 8 spare blocks a thread).
+fn recycle(mut b: Box<Borrow>) {
+    b.release();
+    POOL.with_borrow_mut(|p| {
+        if p.len() < 8 {
+            p.push(b);
+        }
+    });
 }
 
 impl<'a, 'py> FromPyObject<'a, 'py> for TensorView<'a> {
@@ -262,6 +270,29 @@ fn blank() -> Box<Borrow> {
         shape_spill: Vec::new(),
         buffer: None,
     })
+}
+
+/// The common case of [`set_shape`] and [`set_strides`] in one pass: both given, aligned, for 1 to
+/// 8 dimensions, copied element by element into the block (a `memcpy` call costs more than these
+/// few moves). False, with nothing written, for anything else: the checked path then runs.
+fn copy_dims_inline(b: &mut Borrow, t: &DLTensor) -> bool {
+    let n = match usize::try_from(t.ndim) {
+        Ok(n) if (1..=INLINE).contains(&n) => n,
+        _ => return false,
+    };
+    if t.shape.is_null() || t.strides.is_null() || !t.shape.is_aligned() || !t.strides.is_aligned() {
+        return false;
+    }
+    for i in 0..n {
+        // SAFETY: non-NULL, aligned, and the producer's `ndim` entries each (checked above).
+        unsafe {
+            b.shape[i] = t.shape.add(i).read();
+            b.strides[i] = t.strides.add(i).read();
+        }
+    }
+    b.tensor.shape = b.shape.as_mut_ptr();
+    b.tensor.strides = b.strides.as_mut_ptr();
+    true
 }
 
 /// Copies `strides` into the boxed storage and points the DLTensor at it.
