@@ -40,14 +40,20 @@ def optional(name: str):
 
 
 def measure_group(cases: dict[str, str], env: dict, number: int, repeats: int = REPEATS) -> dict[str, dict]:
-    """Times each statement `number` times per repeat, interleaving the cases of the group."""
+    """Times each statement `number` times per repeat, interleaving the cases of the group (in an
+    order rotated every repeat)."""
     timers = {name: timeit.Timer(stmt, globals=env) for name, stmt in cases.items()}
     for t in timers.values():
         t.timeit(max(1, number // 10))  # warm up
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, t in timers.items():
-            samples[name].append(t.timeit(number) / number * 1e9)
+    names = list(timers)
+    for r in range(repeats):
+        # Each repeat starts at a different point of the list (spread over it), so no case always
+        # runs first or last in a repeat: drift within a repeat would otherwise fall on the same
+        # cases every time (the size sweep's largest sizes come last in the list).
+        k = r * len(names) // repeats % len(names)
+        for name in names[k:] + names[:k]:
+            samples[name].append(timers[name].timeit(number) / number * 1e9)
     return {n: {"median": statistics.median(s), "min": min(s), "max": max(s)} for n, s in samples.items()}
 
 
@@ -303,8 +309,14 @@ def evaluate(results, sweep, memory) -> list[dict]:
             continue
         mib = m["peak_beyond_buffer"] / 2**20
         out.append({"name": f"peak memory, 1e8 f32 from Rust into {consumer} <= 2 MiB", "pass": mib <= 2 and m["zero_copy"],
-                    "detail": f"{mib:.2f} MiB, zero-copy {m['zero_copy']}"})
+                    "detail": f"{fmt_mib(m['peak_beyond_buffer'])}, zero-copy {m['zero_copy']}"})
     return out
+
+
+def fmt_mib(n: int) -> str:
+    """Bytes as MiB; a peak a few KiB under the baseline (allocator noise) prints 0.00, not -0.00."""
+    v = n / 2**20
+    return f"{0.0 if abs(v) < 0.005 else v:.2f} MiB"
 
 
 def context(name: str, results, num: str, den: str) -> str:
@@ -398,7 +410,7 @@ def write_report(out: Path, results, sweep, memory, counts, targets, missing, si
     lines += [f"| {p} | " + " | ".join(f"{v.get(n, float('nan')):.0f}" for n in sizes) + " |" for p, v in sweep.items()]
     lines += ["", "## Peak memory beyond the buffer (1e8 float32 made in Rust)", "", "| consumer | peak beyond buffer | zero-copy |", "|---|---:|---|"]
     for c, m in memory.items():
-        lines.append(f"| {c} | {m['peak_beyond_buffer'] / 2**20:.2f} MiB | {m['zero_copy']} |" if "error" not in m else f"| {c} | error: {m['error']} | |")
+        lines.append(f"| {c} | {fmt_mib(m['peak_beyond_buffer'])} | {m['zero_copy']} |" if "error" not in m else f"| {c} | error: {m['error']} | |")
     (out / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
