@@ -55,7 +55,7 @@ valgrind: develop
 py-test: develop
 	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/tests
 	@echo "The shipped suite again, as if no array library were installed (it must skip, not fail):"
-	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes \
+	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes,tvm_ffi \
 	  $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge
 
 # The .pyi stubs must match the compiled module.

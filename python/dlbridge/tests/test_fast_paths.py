@@ -108,6 +108,30 @@ def test_exchange_functions_refuse_other_objects_with_a_python_error() -> None:
         api.dltensor_from_py_object_no_sync("x", ctypes.byref(DLTensor()))
 
 
+def test_tvm_ffi_imports_a_tensor_through_the_exchange_table(monkeypatch) -> None:
+    """apache-tvm-ffi, a real consumer, tries `__dlpack_c_exchange_api__` first and falls back to
+    the legacy `__dlpack__()`. dlbridge refuses a legacy capsule for a read-only tensor (it could
+    not say so), so a read-only Tensor reaching tvm-ffi proves the table was used."""
+    np = need("numpy")
+    # tvm-ffi would JIT-compile a helper for a torch without an exchange table; never here.
+    monkeypatch.setenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+    tvm_ffi = need("tvm_ffi")
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    a.flags.writeable = False
+    t = dlbridge.from_dlpack(a)
+    with pytest.raises(BufferError, match="read-only"):
+        t.__dlpack__()  # the fallback tvm-ffi would take
+    x = tvm_ffi.from_dlpack(t)
+    assert (tuple(x.shape), str(x.dtype)) == ((2, 3), "float32")
+    back = np.from_dlpack(x)
+    assert back.ctypes.data == a.ctypes.data  # zero-copy both ways
+    a.flags.writeable = True
+    a[1, 2] = 42.0
+    assert back[1, 2] == 42.0  # a write on one side is seen on the other
+    # And tvm-ffi's tensors as a producer for dlbridge (through their __dlpack__).
+    assert dlbridge.from_dlpack(x).data_ptr == a.ctypes.data
+
+
 def test_torch_exchange_table_is_consumed_with_the_same_result() -> None:
     torch = need("torch")
     x = torch.arange(10, dtype=torch.float32)[::2]
