@@ -17,6 +17,8 @@ __all__ = [
     "_numpy_fast_path",
     "_view",
     "_view_then",
+    "_view_deref",
+    "_view_add",
     "_HostileBuffer",
     "__dlpack_version__",
     "int8",
@@ -201,3 +203,5 @@ class _HostileBuffer:
 
 def _view(x: Any) -> tuple[int, list[int], list[int], str, builtins.bool]: ...
 def _view_then(x: Any, f: Callable[[], object]) -> tuple[int, list[int], list[int], str, builtins.bool]: ...
+def _view_deref(x: Any) -> tuple[tuple[int, list[int], list[int], str, builtins.bool], str]: ...
+def _view_add(x: Any, delta: builtins.float) -> builtins.float: ...

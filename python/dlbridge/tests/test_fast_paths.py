@@ -132,6 +132,19 @@ def test_tvm_ffi_imports_a_tensor_through_the_exchange_table(monkeypatch) -> Non
     assert dlbridge.from_dlpack(x).data_ptr == a.ctypes.data
 
 
+def test_a_table_without_the_borrowed_function_from_tvm_ffi(monkeypatch) -> None:
+    # tvm-ffi's DLTensorTestWrapper publishes a table whose dltensor_from_py_object_no_sync is
+    # NULL: the owned import and the view must both still see the same memory.
+    np = need("numpy")
+    monkeypatch.setenv("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+    tvm_ffi = need("tvm_ffi")
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    w = tvm_ffi.core.DLTensorTestWrapper(tvm_ffi.from_dlpack(a))
+    t = dlbridge.from_dlpack(w)
+    assert (t.data_ptr, t.shape, t.strides) == (a.ctypes.data, (3, 4), (4, 1))
+    assert _dlbridge._view(w) == (a.ctypes.data, [3, 4], [4, 1], "int32", False)
+
+
 def test_torch_exchange_table_is_consumed_with_the_same_result() -> None:
     torch = need("torch")
     x = torch.arange(10, dtype=torch.float32)[::2]
@@ -276,6 +289,65 @@ def test_torch_tensors_that_require_grad_are_exported_by_the_exchange_table() ->
         x.__dlpack__()
     assert dlbridge.from_dlpack(x).data_ptr == x.data_ptr()
     assert _dlbridge._view(x)[0] == x.data_ptr()
+
+
+def _view_sources():
+    """(name, make) for every kind of source a view reads, each making a float64 array of 6."""
+    out = [("numpy", lambda: need("numpy").arange(6.0)),
+           ("numpy strided", lambda: need("numpy").arange(12.0)[::2]),
+           ("numpy 2-d transposed", lambda: need("numpy").arange(6.0).reshape(2, 3).T),
+           ("numpy size 0", lambda: need("numpy").zeros((0, 3))),
+           ("numpy 0-d", lambda: need("numpy").array(2.5)),
+           ("numpy 9-d", lambda: need("numpy").arange(6.0).reshape((1,) * 8 + (6,))),
+           ("dlbridge.Tensor", lambda: dlbridge.from_dlpack(need("numpy").arange(6.0))),
+           ("torch", lambda: need("torch").arange(6.0, dtype=need("torch").float64)),
+           ("torch size 0", lambda: need("torch").zeros((3, 0), dtype=need("torch").float64)),
+           ("bytes-like (buffer protocol)", lambda: __import__("array").array("d", range(6)))]
+    return out
+
+
+@pytest.mark.parametrize("name,make", _view_sources(), ids=[n for n, _ in _view_sources()])
+def test_a_view_and_its_managed_tensor_agree_for_every_source(name, make) -> None:
+    # What the view reports, what its ManagedTensor (through Deref) reports, and what numpy
+    # makes of the same source all describe the same memory, for every path a view takes
+    # (struct read, exchange table, buffer protocol, 0-d, size 0, more than 8 dims).
+    x = make()
+    seen = _dlbridge._view(x)
+    via_deref, described = _dlbridge._view_deref(x)
+    assert via_deref == seen
+    assert described == f"float64 shape {tuple(seen[1])} strides {tuple(seen[2])} on cpu"
+    np = need("numpy")
+    ref = np.from_dlpack(x) if not isinstance(x, __import__("array").array) else np.frombuffer(x)
+    assert seen[1] == list(ref.shape)
+    if ref.size:  # an empty tensor's address and strides mean nothing (each library picks its own)
+        assert seen[0] == ref.__array_interface__["data"][0]
+        assert seen[2] == [s // ref.itemsize for s in ref.strides]
+    assert seen[3] == "float64" and seen[4] is False
+
+
+def test_typed_access_through_a_view_writes_the_source() -> None:
+    np = need("numpy")
+    a = np.arange(4.0)
+    assert _dlbridge._view_add(a, 1.0) == 10.0  # as_slice_mut, then as_slice
+    assert a.tolist() == [1.0, 2.0, 3.0, 4.0]  # the write is seen by numpy: zero-copy
+    torch = need("torch")
+    x = torch.arange(4.0, dtype=torch.float64)
+    assert _dlbridge._view_add(x, 2.0) == 14.0 and x.tolist() == [2.0, 3.0, 4.0, 5.0]
+    t = dlbridge.from_dlpack(np.arange(3.0))
+    assert _dlbridge._view_add(t, 0.5) == 4.5
+
+
+def test_typed_access_through_a_view_refuses_what_it_must() -> None:
+    np = need("numpy")
+    r = np.arange(4.0)
+    r.flags.writeable = False
+    with pytest.raises(Exception, match="writable"):
+        _dlbridge._view_add(r, 1.0)
+    assert r.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(Exception, match="C-contiguous"):
+        _dlbridge._view_add(np.arange(8.0)[::2], 1.0)
+    with pytest.raises(Exception, match="float64"):
+        _dlbridge._view_add(np.arange(4, dtype=np.float32), 1.0)
 
 
 def test_a_view_keeps_its_shape_when_python_reshapes_the_source_during_the_call() -> None:

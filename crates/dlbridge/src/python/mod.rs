@@ -160,6 +160,29 @@ fn _view_then(x: TensorView<'_>, f: &Bound<'_, PyAny>) -> PyResult<ViewSeen> {
     Ok(_view(x))
 }
 
+/// Test hook: what `x`'s `ManagedTensor` sees through `Deref`, as [`_view`] does, with its
+/// description.
+#[pyfunction]
+fn _view_deref(x: TensorView<'_>) -> (ViewSeen, String) {
+    let m: &crate::ManagedTensor = &x;
+    let seen = (
+        m.data_ptr() as usize,
+        m.shape().to_vec(),
+        m.strides().to_vec(),
+        m.dtype().to_string(),
+        m.is_read_only(),
+    );
+    (seen, m.describe())
+}
+
+/// Test hook: adds `delta` to every element of a C-contiguous float64 view in place (through
+/// `as_slice_mut`), then returns the sum `as_slice` reads.
+#[pyfunction]
+fn _view_add(mut x: TensorView<'_>, delta: f64) -> PyResult<f64> {
+    x.as_slice_mut::<f64>()?.iter_mut().for_each(|v| *v += delta);
+    Ok(x.as_slice::<f64>()?.iter().sum())
+}
+
 /// Test hook: imports `x`, then drops the imported tensor on a new native thread that never held
 /// the GIL, while this thread has released it. The producer's deleter must cope (take the GIL
 /// itself); the test checks it ran.
@@ -243,6 +266,8 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(_view, m)?)?;
     m.add_function(wrap_pyfunction!(_view_then, m)?)?;
+    m.add_function(wrap_pyfunction!(_view_deref, m)?)?;
+    m.add_function(wrap_pyfunction!(_view_add, m)?)?;
     m.add_class::<HostileBuffer>()?;
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
