@@ -179,6 +179,22 @@ impl ManagedTensor {
         unsafe { Self::validate(Raw::Borrowed(t), t.as_ref(), flags) }
     }
 
+    /// [`ManagedTensor::borrowed`] for the common tensor only (see [`fast_accept`]): `None` when
+    /// the general checks must decide. An `Option` stays in registers where the `Result` of
+    /// `borrowed` is copied through the stack and read back whole (a store-forwarding stall perf
+    /// showed on every view), as for [`ManagedTensor::take_if_common`].
+    ///
+    /// # Safety
+    ///
+    /// As for [`ManagedTensor::borrowed`].
+    #[cfg(feature = "python")]
+    #[inline(always)]
+    pub(crate) unsafe fn borrowed_if_common(t: NonNull<DLTensor>, flags: Flags) -> Option<Self> {
+        // SAFETY: the caller's promise.
+        let numel = unsafe { fast_accept(t.as_ref(), flags) }?;
+        Some(Self { raw: Raw::Borrowed(t), own_strides: None, flags, numel })
+    }
+
     /// Checks every field of `t`; the caller deletes `raw` on error.
     ///
     /// # Safety

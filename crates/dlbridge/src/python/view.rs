@@ -100,18 +100,46 @@ impl TensorView<'_> {
         self.tensor.as_array_mut()
     }
 
+    /// The view of a filled block: the common tensor inline, anything else through the general
+    /// checks (out of line, so the common case builds the view where it is returned).
+    #[inline(always)]
     fn from_borrow(borrow: Box<Borrow>, flags: Flags) -> PyResult<Self> {
+        match Self::from_borrow_if_common(borrow, flags) {
+            Ok(v) => Ok(v),
+            Err(b) => Self::from_borrow_general(b, flags),
+        }
+    }
+
+    #[inline(never)]
+    fn from_borrow_general(borrow: Box<Borrow>, flags: Flags) -> PyResult<Self> {
         let p = NonNull::from(&borrow.tensor);
         // SAFETY: the DLTensor and what it points to (the boxed strides, the exporter's memory held
         // by the Py_buffer or the object the caller borrows for the call) outlive `tensor`, which
         // is declared first and so dropped first.
         let tensor = unsafe { ManagedTensor::borrowed(p, flags) }?;
-        Ok(Self { tensor, borrow: Some(borrow), _source: PhantomData, _not_send: PhantomData })
+        Ok(Self::with(tensor, Some(borrow)))
     }
 
-    /// A numpy array's struct read as a view; `None` when a stride is not a multiple of the item
-    /// size (then DLPack describes the array, or refuses it, instead).
-    fn from_numpy(p: super::numpy::NumpyParts<'_>) -> Option<PyResult<Self>> {
+    /// [`TensorView::from_borrow`] for the common tensor: `Err` gives the block back when the
+    /// general checks must decide.
+    #[inline(always)]
+    fn from_borrow_if_common(borrow: Box<Borrow>, flags: Flags) -> Result<Self, Box<Borrow>> {
+        let p = NonNull::from(&borrow.tensor);
+        // SAFETY: as in `from_borrow`.
+        match unsafe { ManagedTensor::borrowed_if_common(p, flags) } {
+            Some(tensor) => Ok(Self::with(tensor, Some(borrow))),
+            None => Err(borrow),
+        }
+    }
+
+    #[inline(always)]
+    fn with(tensor: ManagedTensor, borrow: Option<Box<Borrow>>) -> Self {
+        Self { tensor, borrow, _source: PhantomData, _not_send: PhantomData }
+    }
+
+    /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
+    /// item size (then DLPack describes the array, or refuses it, instead).
+    fn numpy_block(p: super::numpy::NumpyParts<'_>) -> Option<Box<Borrow>> {
         let mut b = blank();
         let n = p.shape.len();
         let ok = if n <= INLINE {
@@ -137,14 +165,34 @@ impl TensorView<'_> {
         // npy_intp and int64_t have the same size and alignment on 64-bit targets.
         // SAFETY: the array's n extents read as i64 instead of isize (identical layout).
         set_shape(&mut b, unsafe { std::slice::from_raw_parts(p.shape.as_ptr().cast::<i64>(), n) });
-        Some(Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, p.readonly)))
+        Some(b)
+    }
+
+    /// A numpy array as a view: the common case without a `Result` in between.
+    #[inline(always)]
+    fn from_numpy(p: super::numpy::NumpyParts<'_>) -> Option<PyResult<Self>> {
+        let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
+        Some(Self::from_borrow(Self::numpy_block(p)?, flags))
     }
 
     /// Borrows `obj` for the lifetime `'a` of the call.
+    #[inline(always)]
     pub fn borrow(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        if let Some(v) = super::numpy::parts_exact(obj).and_then(Self::from_numpy) {
-            return v;
+        // The commonest argument, an exact numpy array, is built where the view is returned: a
+        // view written through a chain of returns is read back whole from the stack each time (a
+        // store-forwarding stall per hop).
+        if let Some(p) = super::numpy::parts_exact(obj) {
+            let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
+            if let Some(b) = Self::numpy_block(p) {
+                return Self::from_borrow(b, flags);
+            }
         }
+        Self::borrow_other(obj)
+    }
+
+    /// Every source but an exact numpy array.
+    #[inline(never)]
+    fn borrow_other(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         if let Ok(t) = obj.cast_exact::<Tensor>() {
             let inner = t.get().shared();
             let mut b = blank();
@@ -185,8 +233,7 @@ impl TensorView<'_> {
                 Err(e) => return Err(e),
             }
         }
-        let owned = from_dlpack_with(obj, &ImportOptions::default())?;
-        Ok(Self { tensor: owned, borrow: None, _source: PhantomData, _not_send: PhantomData })
+        Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None))
     }
 
     fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
