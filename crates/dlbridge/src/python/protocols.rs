@@ -37,17 +37,24 @@ impl PyOwner {
 impl Drop for PyOwner {
     fn drop(&mut self) {
         if let Some(obj) = self.0.take() {
-            if attached_here() {
-                // The common case: a consumer's deleter running in Python code (numpy's and
-                // torch's array deallocation), where attaching through PyO3 would only cost a
-                // PyGILState_Ensure/Release pair.
-                // SAFETY: this thread holds the GIL (checked); the reference is ours to release.
-                unsafe { ffi::Py_DECREF(obj.into_ptr()) };
-            } else if Python::try_attach(|_py| drop(obj)).is_none() {
+            // SAFETY: run with the GIL held; the reference is ours to release.
+            if !with_gil(move || unsafe { ffi::Py_DECREF(obj.into_ptr()) }) {
                 // The interpreter is finalizing or gone: the object cannot be released safely.
             }
         }
     }
+}
+
+/// Runs `f` with the GIL held: directly when this thread already holds it (the common case: a
+/// consumer's deleter running inside numpy's or torch's array deallocation, where attaching
+/// through PyO3 would only add a PyGILState_Ensure/Release pair), else through
+/// `Python::try_attach`. False, with `f` not run, when the interpreter is finalizing or gone.
+fn with_gil(f: impl FnOnce()) -> bool {
+    if attached_here() {
+        f();
+        return true;
+    }
+    Python::try_attach(|_py| f()).is_some()
 }
 
 /// Whether this thread holds the GIL (is attached to the interpreter), asked without taking it:
@@ -55,7 +62,7 @@ impl Drop for PyOwner {
 /// thread state, or one this thread did not get through `PyGILState`), and then callers attach
 /// through PyO3, which also handles a finalizing interpreter.
 #[inline]
-pub(crate) fn attached_here() -> bool {
+fn attached_here() -> bool {
     // SAFETY: reads CPython's current thread state, NULL when none (also after finalization).
     let current = unsafe { ffi::compat::PyThreadState_GetUnchecked() };
     // SAFETY: only reached with a live runtime (a current thread state exists); reads this
@@ -72,16 +79,8 @@ unsafe impl Send for BufferOwner {}
 impl Drop for BufferOwner {
     fn drop(&mut self) {
         let view: *mut ffi::Py_buffer = &mut *self.0;
-        if attached_here() {
-            // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL (checked).
-            unsafe { ffi::PyBuffer_Release(view) };
-            return;
-        }
-        let released = Python::try_attach(|_py| {
-            // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL.
-            unsafe { ffi::PyBuffer_Release(view) }
-        });
-        if released.is_none() {
+        // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL.
+        if !with_gil(|| unsafe { ffi::PyBuffer_Release(view) }) {
             // Interpreter gone: leak the view (and its reference) rather than crash.
         }
     }

@@ -181,11 +181,8 @@ impl TensorView<'_> {
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
-        if let Some(p) = super::numpy::parts_exact(obj) {
-            let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
-            if let Some(b) = Self::numpy_block(p) {
-                return Self::from_borrow(b, flags);
-            }
+        if let Some(v) = super::numpy::parts_exact(obj).and_then(Self::from_numpy) {
+            return v;
         }
         Self::borrow_other(obj)
     }
