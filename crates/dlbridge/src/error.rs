@@ -113,6 +113,17 @@ pub enum Error {
         /// What the buffer has.
         found: String,
     },
+    /// Typed access to memory that a live slice or view from another handle already holds in a
+    /// conflicting way (see [`crate::borrow`]): exclusive access while any other access is live,
+    /// or shared access while an exclusive one is.
+    AlreadyBorrowed {
+        /// First byte of the range asked for.
+        start: usize,
+        /// One past its last byte.
+        end: usize,
+        /// Whether exclusive (mutable) access was asked for.
+        exclusive: bool,
+    },
     /// A tensor that is not what a typed view or an operation needs.
     Incompatible {
         /// What was needed ("float32 C-contiguous host tensor").
@@ -180,6 +191,12 @@ impl fmt::Display for Error {
                 write!(f, "buffer: layout needs {expected}, buffer has {found}")
             }
             Self::Incompatible { expected, found } => write!(f, "expected {expected}, got {found}"),
+            Self::AlreadyBorrowed { start, end, exclusive } => write!(
+                f,
+                "memory {start:#x}..{end:#x}: already borrowed {} (a slice or view from another handle \
+                 over the same memory is alive)",
+                if *exclusive { "(mutable access needs it alone)" } else { "mutably" }
+            ),
         }
     }
 }

@@ -21,6 +21,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::device::Device;
+use crate::dims::Dims;
 use crate::dtype::{DataType, Element};
 use crate::error::{Error, Result, tuple};
 use crate::ffi::{DLManagedTensor, DLManagedTensorVersioned, DLTensor};
@@ -186,37 +187,6 @@ unsafe impl<T: Element> HostBuffer for AlignedBuffer<T> {
     }
 }
 
-/// How many dims live inside the export allocation before spilling to the heap.
-const INLINE_NDIM: usize = 6;
-
-/// Shape followed by strides, inline for small ndim so an export is one allocation.
-enum Dims {
-    Inline([i64; 2 * INLINE_NDIM]),
-    Heap(Box<[i64]>),
-}
-
-impl Dims {
-    fn new(shape: &[i64], strides: &[i64]) -> Self {
-        let n = shape.len();
-        let mut d = if n <= INLINE_NDIM {
-            Dims::Inline([0; 2 * INLINE_NDIM])
-        } else {
-            Dims::Heap(vec![0; 2 * n].into())
-        };
-        let all = d.as_mut_slice();
-        all[..n].copy_from_slice(shape);
-        all[n..2 * n].copy_from_slice(strides);
-        d
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [i64] {
-        match self {
-            Dims::Inline(a) => a,
-            Dims::Heap(b) => b,
-        }
-    }
-}
-
 /// One export: the managed struct first (so a pointer to it is a pointer to this), then the
 /// dims it points into, then whatever keeps the data alive.
 #[repr(C)]
@@ -263,20 +233,11 @@ pub(crate) struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    fn dl_tensor(&self, dims: &mut Dims) -> DLTensor {
-        let n = self.shape.len();
-        let all = dims.as_mut_slice();
-        let (shape, strides) = if n == 0 {
-            (std::ptr::null_mut(), std::ptr::null_mut())
-        } else {
-            let p = all.as_mut_ptr();
-            // SAFETY: `all` holds at least 2n entries.
-            (p, unsafe { p.add(n) })
-        };
+    fn dl_tensor(&self, shape: *mut i64, strides: *mut i64) -> DLTensor {
         DLTensor {
             data: self.data,
             device: self.device.to_raw(),
-            ndim: n as i32,
+            ndim: self.shape.len() as i32,
             dtype: self.dtype.to_raw(),
             shape,
             strides,
@@ -288,21 +249,27 @@ impl Parts<'_> {
 /// Allocates one [`Exported`] and fills it in place (a 200-byte struct built on the stack and
 /// then moved into its box costs a `memcpy` per export): dims first, then the head made by
 /// `head(dl_tensor, manager_ctx)` pointing into them, then the owner.
+///
+/// The box becomes a raw pointer before anything points into it, and every later access goes
+/// through that pointer: `Box::into_raw` after the dims pointers were taken would retag the whole
+/// allocation as unique and invalidate them (undefined behaviour under Stacked Borrows).
 fn new_exported<H, O>(
     parts: &Parts<'_>,
     owner: O,
     head: impl FnOnce(DLTensor, *mut c_void) -> H,
 ) -> NonNull<H> {
-    let mut b = Box::<Exported<H, O>>::new_uninit();
-    let p = b.as_mut_ptr();
-    // SAFETY: each field of the fresh allocation is written exactly once through a raw pointer
-    // before the box is treated as initialised; `dims` is written before it is borrowed.
+    let p: *mut Exported<H, O> = Box::into_raw(Box::<Exported<H, O>>::new_uninit()).cast();
+    // SAFETY: `p` is a fresh, exclusively owned allocation for an `Exported<H, O>`; each field is
+    // written exactly once through it (dims before anything points into them), and nothing else
+    // touches the allocation until it is handed out. `free_exported` turns it back into a box.
     unsafe {
-        std::ptr::addr_of_mut!((*p).dims).write(Dims::new(parts.shape, parts.strides));
-        let t = parts.dl_tensor(&mut *std::ptr::addr_of_mut!((*p).dims));
-        std::ptr::addr_of_mut!((*p).head).write(head(t, p.cast()));
+        let dims = std::ptr::addr_of_mut!((*p).dims);
+        dims.write(Dims::new());
+        (*dims).set(parts.shape, parts.strides);
+        let (shape, strides) = Dims::pointers(dims);
+        std::ptr::addr_of_mut!((*p).head).write(head(parts.dl_tensor(shape, strides), p.cast()));
         std::ptr::addr_of_mut!((*p).owner).write(owner);
-        NonNull::new_unchecked(Box::into_raw(b.assume_init()).cast::<H>())
+        NonNull::new_unchecked(p.cast::<H>())
     }
 }
 
@@ -361,8 +328,9 @@ impl ManagedTensor {
 
     /// A CPU tensor over any [`HostBuffer`] with explicit strides (in elements, may be negative or
     /// zero) and the index of the first element in the buffer, without copying. Every element the
-    /// layout reaches must lie inside the buffer. Zero strides make the tensor read-only (its
-    /// elements overlap).
+    /// layout reaches must lie inside the buffer. A layout whose elements may overlap (zero
+    /// strides, or strides such as `[1, 1]` over `[2, 2]`; see [`layout::may_overlap`]) makes the
+    /// tensor read-only.
     ///
     /// ```
     /// use dlbridge::ManagedTensor;
@@ -450,7 +418,8 @@ impl ManagedTensor {
                 found: format!("{buf_bytes} bytes"),
             });
         }
-        let overlapping = numel > 1 && shape.iter().zip(strides).any(|(&d, &s)| d > 1 && s == 0);
+        // Elements that may share memory cannot be written soundly through a Rust reference.
+        let overlapping = numel > 1 && layout::may_overlap(shape, strides);
         let flags = Flags::NONE.with(Flags::READ_ONLY, buf.is_read_only() || overlapping);
         let data = buf.as_mut_ptr().cast::<u8>().wrapping_add(first_byte as usize).cast::<c_void>();
         let parts = Parts { data, device: Device::CPU, dtype, shape, strides, byte_offset: 0 };

@@ -124,6 +124,47 @@ pub fn element_span(shape: &[i64], strides: &[i64]) -> Result<(i64, i64)> {
     Ok((lo, hi))
 }
 
+/// Whether two different indices of a tensor may reach the same element: a conservative test
+/// (it may say yes for some layouts whose elements happen not to collide, never no for one whose
+/// do). Axes of extent 1 are ignored and a tensor with no elements never overlaps. Sorted by
+/// absolute stride, each axis must step past everything the smaller axes reach:
+/// `|stride| > sum(|stride_j| * (extent_j - 1))` over the axes before it. Every C- or
+/// F-contiguous layout, and every slice of one, passes.
+///
+/// ```
+/// use dlbridge::layout::may_overlap;
+/// assert!(!may_overlap(&[2, 3], &[3, 1]));
+/// assert!(!may_overlap(&[2, 3], &[-6, 2]));  // reversed rows, every other column
+/// assert!(may_overlap(&[2, 2], &[1, 1]));    // as_strided(zeros(3), (2, 2), (8, 8))
+/// assert!(may_overlap(&[4], &[0]));          // broadcast
+/// assert!(!may_overlap(&[0, 4], &[0, 0]));   // no elements
+/// ```
+pub fn may_overlap(shape: &[i64], strides: &[i64]) -> bool {
+    if shape.len() != strides.len() || shape.iter().any(|&d| d <= 0) {
+        // A mismatched layout is refused elsewhere; an empty one has nothing to overlap.
+        return shape.len() != strides.len();
+    }
+    let mut axes: Vec<(u64, u64)> = shape
+        .iter()
+        .zip(strides)
+        .filter(|&(&d, _)| d > 1)
+        .map(|(&d, &s)| (s.unsigned_abs(), d as u64 - 1))
+        .collect();
+    axes.sort_unstable();
+    let mut reach: u64 = 0;
+    for (stride, steps) in axes {
+        if stride <= reach {
+            return true;
+        }
+        match stride.checked_mul(steps).and_then(|r| reach.checked_add(r)) {
+            Some(r) => reach = r,
+            // Past u64 every later stride is smaller than the reach: call it overlapping.
+            None => return true,
+        }
+    }
+    false
+}
+
 /// The byte range `[start, end)` relative to the first element's address that a tensor with at
 /// least one element touches, for elements of `storage_bits` bits each (packed when not a
 /// multiple of 8). The range must fit in `isize` in both directions.
@@ -235,6 +276,22 @@ mod tests {
             let f_offs: Vec<i64> = indices(&rs).iter().map(|i| offset(i, &rst)).collect();
             let naive_f = n == 0 || f_offs == (0..n).collect::<Vec<_>>();
             prop_assert_eq!(is_f_contiguous(&shape, &strides), naive_f);
+        }
+
+        /// Whatever the overlap test calls disjoint has distinct offsets for distinct indices, and
+        /// every contiguous layout is called disjoint.
+        #[test]
+        fn may_overlap_is_conservative((shape, strides) in shape_and_strides(0..5)) {
+            let mut offs: Vec<i64> = indices(&shape).iter().map(|i| offset(i, &strides)).collect();
+            let n = offs.len();
+            offs.sort_unstable();
+            offs.dedup();
+            if !may_overlap(&shape, &strides) {
+                prop_assert_eq!(offs.len(), n);
+            }
+            if is_c_contiguous(&shape, &strides) || is_f_contiguous(&shape, &strides) {
+                prop_assert!(!may_overlap(&shape, &strides));
+            }
         }
 
         #[test]

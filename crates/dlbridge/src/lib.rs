@@ -22,8 +22,10 @@
 //! re-exported at the crate root. Feature `ndarray` adds `ndarray` views and export; feature
 //! `python` the PyO3 layer ([`python`]).
 
+pub mod borrow;
 pub mod cuda;
 pub mod device;
+mod dims;
 pub mod dtype;
 pub mod error;
 pub mod export;
@@ -44,3 +46,4 @@ pub use error::{Error, Result};
 pub use export::{ALIGNMENT, AlignedBuffer, HostBuffer};
 pub use flags::{Flags, Version};
 pub use managed::{MAX_NDIM, ManagedTensor, RawManagedTensor};
+pub use view::{SliceMut, SliceRef};

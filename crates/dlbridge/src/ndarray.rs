@@ -13,16 +13,69 @@
 //! let t = ManagedTensor::from_ndarray(flipped).unwrap();
 //! assert_eq!(t.strides(), &[3, -1]);
 //! let v = t.as_array::<f32>().unwrap();
-//! assert_eq!(v, array![[3.0f32, 2.0, 1.0], [6.0, 5.0, 4.0]].into_dyn());
+//! assert_eq!(*v, array![[3.0f32, 2.0, 1.0], [6.0, 5.0, 4.0]].into_dyn());
 //! ```
 
+use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use ndarray::{Array, ArrayViewD, ArrayViewMutD, Axis, Dimension, IxDyn, ShapeBuilder};
+use ndarray::{Array, ArrayBase, ArrayViewD, ArrayViewMutD, Axis, Dimension, IxDyn, ShapeBuilder};
 
+use crate::borrow::Lease;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::managed::ManagedTensor;
+
+/// A read-only `ndarray` view ([`ManagedTensor::as_array`]): derefs to `ndarray::ArrayRef` (every
+/// read method; `.view()` for an `ArrayView` as long as the guard) and holds a shared lease on the memory (see [`crate::borrow`]) until it drops.
+#[derive(Debug)]
+pub struct ArrayGuard<'a, T> {
+    view: ArrayViewD<'a, T>,
+    _lease: Lease,
+}
+
+/// A mutable `ndarray` view ([`ManagedTensor::as_array_mut`]): derefs mutably to
+/// `ndarray::ArrayRef` (`mapv_inplace`, `view_mut()`, indexing) and holds an exclusive lease on the memory until it drops.
+#[derive(Debug)]
+pub struct ArrayGuardMut<'a, T> {
+    view: ArrayViewMutD<'a, T>,
+    _lease: Lease,
+}
+
+impl<T: PartialEq, S: ndarray::Data<Elem = T>> PartialEq<ArrayBase<S, IxDyn>> for ArrayGuard<'_, T> {
+    fn eq(&self, other: &ArrayBase<S, IxDyn>) -> bool {
+        self.view == *other
+    }
+}
+
+impl<T: PartialEq, S: ndarray::Data<Elem = T>> PartialEq<ArrayBase<S, IxDyn>> for ArrayGuardMut<'_, T> {
+    fn eq(&self, other: &ArrayBase<S, IxDyn>) -> bool {
+        self.view == *other
+    }
+}
+
+// The guards deref to ndarray's unsized `ArrayRef` rather than to the view itself: an
+// `ArrayViewD<'a, T>` reached through `&self` could be cloned (or, mutably, swapped out) and
+// outlive the guard and its lease; an `&ArrayRef` only lends views as long as the guard.
+impl<T> Deref for ArrayGuard<'_, T> {
+    type Target = ndarray::ArrayRef<T, IxDyn>;
+    fn deref(&self) -> &ndarray::ArrayRef<T, IxDyn> {
+        &self.view
+    }
+}
+
+impl<T> Deref for ArrayGuardMut<'_, T> {
+    type Target = ndarray::ArrayRef<T, IxDyn>;
+    fn deref(&self) -> &ndarray::ArrayRef<T, IxDyn> {
+        &self.view
+    }
+}
+
+impl<T> DerefMut for ArrayGuardMut<'_, T> {
+    fn deref_mut(&mut self) -> &mut ndarray::ArrayRef<T, IxDyn> {
+        &mut self.view
+    }
+}
 
 /// The pieces ndarray needs: the lowest-address element, shape and absolute strides, plus the
 /// axes whose stride was negative (to invert after building the view).
@@ -34,7 +87,9 @@ struct Raw<T> {
 }
 
 impl ManagedTensor {
-    fn ndarray_raw<T: Element>(&self, write: bool) -> Result<Raw<T>> {
+    /// Checks, leases (shared, or exclusive for `write`) and describes the view; the lease is
+    /// taken before any element is read.
+    fn ndarray_raw<T: Element>(&self, write: bool) -> Result<(Raw<T>, Lease)> {
         let shape: Vec<usize> = self.shape().iter().map(|&d| d as usize).collect();
         let need = |what: &str| Error::Incompatible {
             expected: format!("{}{} host tensor{what}", T::DTYPE, if write { " writable" } else { "" }),
@@ -45,15 +100,15 @@ impl ManagedTensor {
         }
         if self.numel() == 0 {
             let zeros = vec![0; shape.len()];
-            return Ok(Raw { low: NonNull::dangling(), shape, strides: zeros, negative: vec![] });
+            let lease = self.lease(write)?;
+            return Ok((Raw { low: NonNull::dangling(), shape, strides: zeros, negative: vec![] }, lease));
         }
         let first = self.data_ptr().cast::<T>();
         if !first.is_aligned() {
             return Err(need(" with aligned data"));
         }
-        let overlapping = self.shape().iter().zip(self.strides()).any(|(&d, &s)| d > 1 && s == 0);
-        if write && overlapping {
-            return Err(need(" without zero strides (a mutable view may not alias)"));
+        if write && crate::layout::may_overlap(self.shape(), self.strides()) {
+            return Err(need(" whose elements do not overlap (a mutable view may not alias)"));
         }
         let (lo, _) = crate::layout::element_span(self.shape(), self.strides())?;
         let negative = (0..shape.len()).filter(|&ax| self.strides()[ax] < 0 && shape[ax] > 1).collect();
@@ -65,6 +120,7 @@ impl ManagedTensor {
             .collect();
         // SAFETY: `lo` is the lowest element offset of the validated span, inside the allocation.
         let low = unsafe { first.offset(lo as isize) };
+        let lease = self.lease(write)?;
         if !T::ALL_BIT_PATTERNS_VALID {
             for off in self.offsets() {
                 // SAFETY: each offset addresses a whole element inside the validated span.
@@ -77,37 +133,41 @@ impl ManagedTensor {
             }
         }
         // SAFETY: non-NULL: numel > 0 so validation required non-NULL data.
-        Ok(Raw { low: unsafe { NonNull::new_unchecked(low) }, shape, strides, negative })
+        Ok((Raw { low: unsafe { NonNull::new_unchecked(low) }, shape, strides, negative }, lease))
     }
 
     /// A read-only `ndarray` view of a host tensor of dtype `T`, with the tensor's strides
-    /// (negative and zero included).
-    pub fn as_array<T: Element>(&self) -> Result<ArrayViewD<'_, T>> {
-        let r = self.ndarray_raw::<T>(false)?;
+    /// (negative and zero included). It holds a shared lease on the memory while it lives (see
+    /// [`crate::borrow`]): [`crate::Error::AlreadyBorrowed`] if another handle over the same
+    /// memory holds a mutable slice or view.
+    pub fn as_array<T: Element>(&self) -> Result<ArrayGuard<'_, T>> {
+        let (r, lease) = self.ndarray_raw::<T>(false)?;
         // SAFETY: host memory of dtype T, aligned, every reachable element inside the validated
-        // span, strides non-negative from the lowest address; kept alive by `&self`.
+        // span, strides non-negative from the lowest address; kept alive by `&self`; no mutable
+        // access through dlbridge while the shared lease lives.
         let mut v =
             unsafe { ArrayViewD::from_shape_ptr(IxDyn(&r.shape).strides(IxDyn(&r.strides)), r.low.as_ptr()) };
         for ax in r.negative {
             v.invert_axis(Axis(ax));
         }
-        Ok(v)
+        Ok(ArrayGuard { view: v, _lease: lease })
     }
 
-    /// A mutable `ndarray` view; refused for read-only tensors and for zero strides (a mutable view
-    /// may not alias).
-    pub fn as_array_mut<T: Element>(&mut self) -> Result<ArrayViewMutD<'_, T>> {
-        let r = self.ndarray_raw::<T>(true)?;
-        // SAFETY: as in as_array; `&mut self` is exclusive, the tensor is writable and no two
-        // indices reach the same element (no zero strides on axes longer than one, and the layout
-        // passed validation).
+    /// A mutable `ndarray` view; refused for read-only tensors and for layouts whose elements may
+    /// overlap ([`crate::layout::may_overlap`]: a mutable view may not alias). It holds an
+    /// exclusive lease on the memory while it lives.
+    pub fn as_array_mut<T: Element>(&mut self) -> Result<ArrayGuardMut<'_, T>> {
+        let (r, lease) = self.ndarray_raw::<T>(true)?;
+        // SAFETY: as in as_array; `&mut self` and the exclusive lease make this the only access
+        // dlbridge hands out, the tensor is writable, and no two indices reach the same element
+        // (`may_overlap` said so for this shape and these strides).
         let mut v = unsafe {
             ArrayViewMutD::from_shape_ptr(IxDyn(&r.shape).strides(IxDyn(&r.strides)), r.low.as_ptr())
         };
         for ax in r.negative {
             v.invert_axis(Axis(ax));
         }
-        Ok(v)
+        Ok(ArrayGuardMut { view: v, _lease: lease })
     }
 
     /// Exports an owned `ndarray` array without copying: C or Fortran order, any strides

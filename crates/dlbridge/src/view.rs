@@ -2,27 +2,107 @@
 //! strided element reads, and copies into compact aligned buffers.
 //!
 //! The memory is shared with the producer. dlbridge guarantees the layout, type, alignment and
-//! device are what a slice needs, and that read-only tensors are never handed out mutably; it
-//! cannot stop another library that still holds the same memory from writing to it while a slice
-//! is alive, so code that shares a writable tensor must not write from both sides at once.
+//! device are what a slice needs, that read-only tensors are never handed out mutably, and that
+//! its own safe API never hands out a mutable slice or view while any other slice or view of the
+//! same memory lives, whichever handle (or extension module) it came from: each guard holds a
+//! lease in the process-wide registry of [`crate::borrow`]. It cannot stop another library that
+//! still holds the same memory (numpy, torch) from writing to it while a slice is alive, so code
+//! that shares a writable tensor must not write from both sides at once.
 //!
 //! ```
 //! use dlbridge::ManagedTensor;
 //! let mut t = ManagedTensor::from_vec(vec![1i32, 2, 3, 4], &[2, 2]).unwrap();
-//! t.as_slice_mut::<i32>().unwrap()[0] = 10;
+//! t.as_slice_mut::<i32>().unwrap()[0] = 10; // the guard (and its lease) ends with the statement
 //! assert_eq!(t.get::<i32>(&[0, 0]).unwrap(), 10);
 //! let err = t.as_slice::<f32>().unwrap_err().to_string();
 //! assert_eq!(err, "expected float32 C-contiguous host tensor, got int32 shape (2, 2) strides (2, 1) on cpu");
 //! ```
 
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+use crate::borrow::Lease;
 use crate::dtype::{DataType, Element};
 use crate::error::{Error, Result, tuple};
 use crate::export::AlignedBuffer;
+use crate::layout;
 use crate::managed::ManagedTensor;
+
+/// A shared slice of a tensor's elements ([`ManagedTensor::as_slice`]): derefs to `[T]` and
+/// holds a shared lease on the memory (see [`crate::borrow`]) until it drops.
+pub struct SliceRef<'a, T> {
+    slice: &'a [T],
+    _lease: Lease,
+}
+
+/// A mutable slice of a tensor's elements ([`ManagedTensor::as_slice_mut`]): derefs to `[T]`
+/// mutably and holds an exclusive lease on the memory until it drops, so no other handle over the
+/// same memory can read or write it meanwhile.
+pub struct SliceMut<'a, T> {
+    slice: &'a mut [T],
+    _lease: Lease,
+}
+
+impl<T> Deref for SliceRef<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.slice
+    }
+}
+
+impl<T> Deref for SliceMut<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.slice
+    }
+}
+
+impl<T> DerefMut for SliceMut<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        self.slice
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for SliceRef<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.slice.fmt(f)
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for SliceMut<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.slice.fmt(f)
+    }
+}
+
+impl<T: PartialEq, R: AsRef<[T]> + ?Sized> PartialEq<R> for SliceRef<'_, T> {
+    fn eq(&self, other: &R) -> bool {
+        self.slice == other.as_ref()
+    }
+}
+
+impl<T: PartialEq, R: AsRef<[T]> + ?Sized> PartialEq<R> for SliceMut<'_, T> {
+    fn eq(&self, other: &R) -> bool {
+        *self.slice == *other.as_ref()
+    }
+}
 
 impl ManagedTensor {
     fn refuse(&self, expected: String) -> Error {
         Error::Incompatible { expected, found: self.describe() }
+    }
+
+    /// Registers the byte range this tensor's elements span (nothing for an empty or non-host
+    /// tensor), shared or exclusive; see [`crate::borrow`].
+    pub(crate) fn lease(&self, exclusive: bool) -> Result<Lease> {
+        if self.numel() == 0 || !self.is_host_accessible() {
+            return Lease::acquire(0, 0, exclusive);
+        }
+        let bits = self.dtype().storage_bits(self.flags().is_subbyte_padded());
+        // Validated on entry: the span fits the address space from the first element.
+        let (lo, hi) = layout::byte_span(self.shape(), self.strides(), bits)?;
+        let base = self.data_ptr() as usize;
+        Lease::acquire(base.wrapping_add_signed(lo), base.wrapping_add_signed(hi), exclusive)
     }
 
     /// Checks what a typed view needs: host memory, dtype `T`, C order (if `contiguous`),
@@ -54,13 +134,18 @@ impl ManagedTensor {
 
     /// The elements as a slice, in row-major order, when the tensor is a C-contiguous host tensor
     /// of dtype `T` with aligned data. For `bool`, every byte is checked to be 0 or 1.
-    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+    ///
+    /// The slice holds a shared lease on the memory while it lives: [`Error::AlreadyBorrowed`]
+    /// if another handle over the same memory holds a mutable slice or view of it.
+    pub fn as_slice<T: Element>(&self) -> Result<SliceRef<'_, T>> {
         self.check_typed::<T>(true, false)?;
+        let lease = self.lease(false)?;
         if self.numel() == 0 {
-            return Ok(&[]);
+            return Ok(SliceRef { slice: &[], _lease: lease });
         }
-        // SAFETY: host memory, compact, aligned, of dtype T, numel elements, validated span;
-        // kept alive by self for the borrow.
+        // SAFETY: host memory, compact, aligned, of dtype T, numel elements, validated span; kept
+        // alive by self for the borrow; no mutable access through dlbridge while the shared lease
+        // lives (and none through `self`, borrowed shared).
         let bytes = unsafe {
             std::slice::from_raw_parts(self.data_ptr().cast::<u8>(), self.numel() * size_of::<T>())
         };
@@ -68,26 +153,30 @@ impl ManagedTensor {
             return Err(self.refuse(format!("{} values only", T::DTYPE)));
         }
         // SAFETY: as above, and the bytes are valid values of T.
-        Ok(unsafe { std::slice::from_raw_parts(self.data_ptr().cast::<T>(), self.numel()) })
+        let slice = unsafe { std::slice::from_raw_parts(self.data_ptr().cast::<T>(), self.numel()) };
+        Ok(SliceRef { slice, _lease: lease })
     }
 
     /// The elements as a mutable slice; as [`ManagedTensor::as_slice`], and refused for read-only
-    /// tensors.
-    pub fn as_slice_mut<T: Element>(&mut self) -> Result<&mut [T]> {
+    /// tensors. The slice holds an exclusive lease on the memory: [`Error::AlreadyBorrowed`] while
+    /// any slice or view of the same memory from another handle lives.
+    pub fn as_slice_mut<T: Element>(&mut self) -> Result<SliceMut<'_, T>> {
         self.check_typed::<T>(true, true)?;
+        let lease = self.lease(true)?;
         if self.numel() == 0 {
-            return Ok(&mut []);
+            return Ok(SliceMut { slice: &mut [], _lease: lease });
         }
-        // SAFETY: as in as_slice; `&mut self` makes this the only view dlbridge hands out, and the
-        // producer did not mark the memory read-only.
+        // SAFETY: as in as_slice; the exclusive lease and `&mut self` make this the only access
+        // dlbridge hands out to these bytes, and the producer did not mark them read-only.
         let bytes = unsafe {
             std::slice::from_raw_parts(self.data_ptr().cast::<u8>(), self.numel() * size_of::<T>())
         };
         if !T::ALL_BIT_PATTERNS_VALID && !T::is_valid_bytes(bytes) {
             return Err(self.refuse(format!("{} values only", T::DTYPE)));
         }
-        // SAFETY: as above.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.data_ptr().cast::<T>(), self.numel()) })
+        // SAFETY: as above; the shared `bytes` is not used past this point.
+        let slice = unsafe { std::slice::from_raw_parts_mut(self.data_ptr().cast::<T>(), self.numel()) };
+        Ok(SliceMut { slice, _lease: lease })
     }
 
     /// Element offsets (in elements, from the first element) in row-major index order.
@@ -125,11 +214,14 @@ impl ManagedTensor {
             });
         }
         let off: i64 = index.iter().zip(self.strides()).map(|(&i, &s)| i as i64 * s).sum();
+        let _lease = self.lease(false)?;
         self.read_at::<T>(off)
     }
 
+    /// Reads one element; the caller holds a shared lease on the tensor's memory.
     fn read_at<T: Element>(&self, off: i64) -> Result<T> {
-        // SAFETY: `off` is the offset of an element inside the validated span of host memory.
+        // SAFETY: `off` is the offset of an element inside the validated span of host memory, and
+        // the caller's lease keeps dlbridge's mutable access away while it reads.
         let p = unsafe { self.data_ptr().cast::<T>().offset(off as isize) };
         // SAFETY: as above; reading the bytes first to check them keeps bool sound.
         let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), size_of::<T>()) };
@@ -143,10 +235,11 @@ impl ManagedTensor {
     /// Every element in row-major index order, copied into a `Vec`, whatever the strides
     /// (negative, zero, Fortran order).
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        if let Ok(s) = self.as_slice::<T>() {
-            return Ok(s.to_vec());
+        if self.check_typed::<T>(true, false).is_ok() {
+            return Ok(self.as_slice::<T>()?.to_vec());
         }
         self.check_typed::<T>(false, false)?;
+        let _lease = self.lease(false)?;
         self.offsets().map(|off| self.read_at::<T>(off)).collect()
     }
 
@@ -169,6 +262,7 @@ impl ManagedTensor {
         };
         let mut buf = AlignedBuffer::<u8>::zeroed(self.numel() * itemsize);
         let base = self.data_ptr().cast::<u8>();
+        let lease = self.lease(false)?;
         if self.is_c_contiguous() {
             if self.numel() > 0 {
                 // SAFETY: compact host memory of numel*itemsize bytes inside the validated span.
@@ -184,6 +278,7 @@ impl ManagedTensor {
                 dst.copy_from_slice(src);
             }
         }
+        drop(lease);
         let shape: Vec<usize> = self.shape().iter().map(|&d| d as usize).collect();
         ManagedTensor::from_host_bytes(buf, dtype, &shape, None, 0)
     }

@@ -76,7 +76,7 @@ fn empty_and_zero_dim_views() {
     let t = ManagedTensor::from_vec(Vec::<f32>::new(), &[0, 3]).unwrap();
     assert_eq!(t.as_array::<f32>().unwrap().shape(), &[0, 3]);
     let s = ManagedTensor::from_vec(vec![5u8], &[]).unwrap();
-    assert_eq!(s.as_array::<u8>().unwrap().into_dimensionality::<ndarray::Ix0>().unwrap()[()], 5);
+    assert_eq!(s.as_array::<u8>().unwrap().view().into_dimensionality::<ndarray::Ix0>().unwrap()[()], 5);
 }
 
 #[test]
