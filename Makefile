@@ -31,7 +31,7 @@ $(STAMP): python/requirements-test.txt
 
 # Builds the extension and the example extension into the virtualenv (editable).
 develop: $(STAMP)
-	$(MATURIN) develop --quiet
+	$(MATURIN) develop --quiet --features test-hooks
 	cd examples/scale && $(MATURIN) develop --quiet
 
 lint: $(STAMP)
@@ -66,7 +66,7 @@ stubs: develop
 # the Rust core, callgrind instruction counts; writes docs/BENCHMARKS.md and docs/bench_sizes.png.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements-bench.txt
-	$(MATURIN) develop --release --quiet
+	$(MATURIN) develop --release --quiet --features test-hooks
 	cd bench/shim-dlbridge && $(MATURIN) develop --release --quiet
 	cd bench/shim-pyo3-dlpack && $(MATURIN) develop --release --quiet
 	cd bench/shim-dlpark && $(MATURIN) develop --release --quiet

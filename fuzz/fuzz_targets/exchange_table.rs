@@ -52,9 +52,9 @@ fuzz_target!(|data: &[u8]| {
         t.header.prev_api = if k % 3 == 0 { std::ptr::null_mut() } else { ptrs[k % ptrs.len()] };
     }
     // SAFETY: every pointer in the chain is a live table for the duration of the call.
-    if let Some(api) = unsafe { ExchangeApi::check(ptrs[0]) } {
-        assert_eq!(api.0.header.version.major, 1);
-        assert!(api.0.managed_tensor_allocator.is_some() && api.0.current_work_stream.is_some());
+    if let Some(api) = unsafe { ExchangeApi::validate_table(ptrs[0]) } {
+        assert_eq!(api.header.version.major, 1);
+        assert!(api.managed_tensor_allocator.is_some() && api.current_work_stream.is_some());
     }
     drop(tables);
 });

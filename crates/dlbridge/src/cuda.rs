@@ -135,11 +135,18 @@ impl Driver {
     /// Makes `consumer` wait for the work queued so far on `producer` (both raw stream handles of
     /// device `device`; 1 and 2 are the legacy and per-thread default streams), by recording an
     /// event on the producer stream and waiting on it from the consumer stream.
-    pub fn stream_wait(&self, device: i32, producer: usize, consumer: usize) -> Result<(), String> {
+    ///
+    /// # Safety
+    ///
+    /// `producer` and `consumer` are each 1, 2, or a live `CUstream` of device `device` that stays
+    /// valid for the call: the driver dereferences stream handles without checking them, so an
+    /// arbitrary integer may crash the process.
+    pub unsafe fn stream_wait(&self, device: i32, producer: usize, consumer: usize) -> Result<(), String> {
         let err = |what: &str, rc: c_int| Err(format!("CUDA {what} failed (error {rc})"));
         let mut dev: CuDevice = 0;
         let mut ctx: CuContext = std::ptr::null_mut();
-        // SAFETY: out-pointers to locals; the driver validates the ordinal.
+        // SAFETY: out-pointers to locals; the driver validates the ordinal; the stream handles are
+        // live streams of this device (the caller's promise).
         unsafe {
             let rc = (self.device_get)(&mut dev, device);
             if rc != 0 {

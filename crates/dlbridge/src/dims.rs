@@ -18,13 +18,6 @@ impl Dims {
         Self { ndim: 0, inline: [0; 2 * INLINE], heap: Vec::new() }
     }
 
-    /// `shape` and `strides` (of equal length), copied.
-    pub(crate) fn from_parts(shape: &[i64], strides: &[i64]) -> Self {
-        let mut d = Self::new();
-        d.set(shape, strides);
-        d
-    }
-
     /// Replaces the contents with `shape` and `strides` (of equal length). Pointers taken before
     /// are stale afterwards.
     pub(crate) fn set(&mut self, shape: &[i64], strides: &[i64]) {
@@ -103,7 +96,8 @@ mod tests {
         for n in [0usize, 1, 8, 9, 20] {
             let shape: Vec<i64> = (0..n as i64).collect();
             let strides: Vec<i64> = (0..n as i64).map(|x| -x).collect();
-            let mut d = Dims::from_parts(&shape, &strides);
+            let mut d = Dims::new();
+            d.set(&shape, &strides);
             assert_eq!((d.ndim(), d.shape(), d.strides()), (n, &shape[..], &strides[..]));
             // SAFETY: a live Dims, accessed by nothing else during the call.
             let (sp, tp) = unsafe { Dims::pointers(&mut d) };
@@ -117,7 +111,8 @@ mod tests {
                 }
             }
         }
-        let mut d = Dims::from_parts(&[1; 12], &[2; 12]);
+        let mut d = Dims::new();
+        d.set(&[1; 12], &[2; 12]);
         d.set(&[3], &[4]);
         assert_eq!((d.shape(), d.strides()), (&[3i64][..], &[4i64][..]));
     }

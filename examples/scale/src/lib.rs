@@ -1,6 +1,7 @@
 //! An example PyO3 extension built on dlbridge: functions that take tensors from any library
 //! (numpy, torch, jax, tensorflow, ...) without copying, and hand Rust-made data back.
 
+use dlbridge::python::TensorView;
 use dlbridge::{AlignedBuffer, ManagedTensor};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -62,6 +63,24 @@ fn arange(n: usize) -> PyResult<ManagedTensor> {
     Ok(ManagedTensor::from_host(buf, &[n])?)
 }
 
+/// Sets every float64 of a borrowed tensor (any strides) to `value`: a view costs no capsule.
+/// Refuses read-only memory, layouts whose elements overlap, and memory another view is using.
+#[pyfunction]
+fn fill(mut t: TensorView<'_>, value: f64) -> PyResult<()> {
+    t.as_array_mut::<f64>()?.fill(value);
+    Ok(())
+}
+
+/// Calls `f()` while holding a shared slice of the float64 tensor `t`, then returns `f`'s result:
+/// whatever `f` does, no extension embedding dlbridge can write `t`'s memory meanwhile.
+#[pyfunction]
+fn while_reading(t: TensorView<'_>, f: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    let held = t.as_slice::<f64>()?;
+    let out = f.call0()?.unbind();
+    drop(held);
+    Ok(out)
+}
+
 /// The example module.
 #[pymodule]
 fn dlbridge_scale(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -70,5 +89,7 @@ fn dlbridge_scale(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(describe, m)?)?;
     m.add_function(wrap_pyfunction!(arange, m)?)?;
     m.add_function(wrap_pyfunction!(total, m)?)?;
+    m.add_function(wrap_pyfunction!(fill, m)?)?;
+    m.add_function(wrap_pyfunction!(while_reading, m)?)?;
     Ok(())
 }

@@ -1,10 +1,12 @@
 //! The DLPack C exchange API (1.2/1.3), as consumer and as producer.
 //!
 //! Consumer: a type publishes `__dlpack_c_exchange_api__` (a capsule named `"dlpack_exchange_api"`,
-//! DLPack 1.3) or `__c_dlpack_exchange_api__` (the table's address as an int, DLPack 1.2). The
-//! table is checked (major version 1, walking `prev_api` past newer majors; required functions
-//! non-NULL) and cached per type, then used to export an owning tensor or a borrowed `DLTensor`
-//! without going through Python.
+//! DLPack 1.3). The table is checked (major version 1, walking `prev_api` past newer majors;
+//! required functions non-NULL), bound to that type and cached per type, then used to export an
+//! owning tensor or a borrowed `DLTensor` of an object of exactly that type without going through
+//! Python. DLPack 1.2's integer form (`__c_dlpack_exchange_api__`, the table's address as an int)
+//! is not read on the safe path: any Python class can hold any integer there, and reading it would
+//! dereference an arbitrary address ([`ExchangeApi::from_address`] is the `unsafe` way in).
 //!
 //! Producer: `dlbridge.Tensor.__dlpack_c_exchange_api__` is a static table whose five functions
 //! serve dlbridge tensors to consumers that skip Python entirely.
@@ -30,33 +32,60 @@ use crate::managed::ManagedTensor;
 /// Name of the capsule holding an exchange table (DLPack 1.3).
 pub const EXCHANGE_API_CAPSULE: &CStr = c"dlpack_exchange_api";
 
-/// A validated exchange table: major version 1 and every required function present.
+/// A validated exchange table, bound to the one Python type it was read from: major version 1 and
+/// every required function present. Its functions are only ever called on objects of exactly that
+/// type (the standard says a table is valid for the type that publishes it; a subclass may
+/// override `__dlpack__` and is served by the protocol instead).
 #[derive(Clone, Copy)]
-pub struct ExchangeApi(pub &'static DLPackExchangeAPI);
+pub struct ExchangeApi {
+    api: &'static DLPackExchangeAPI,
+    /// The address of the type the table belongs to.
+    ty: usize,
+}
 
 impl ExchangeApi {
-    /// Reads and checks the table a type publishes, if any. `Ok(None)`: the type has none (or
-    /// none this crate can use, e.g. only a newer major with no major-1 fallback).
+    /// Reads and checks the table a type publishes as a `"dlpack_exchange_api"` capsule in
+    /// `__dlpack_c_exchange_api__` (DLPack 1.3). `Ok(None)`: the type has none this crate can use
+    /// (none, a newer major only, or only DLPack 1.2's integer form, `__c_dlpack_exchange_api__`,
+    /// whose address nothing can check: see [`ExchangeApi::from_address`]).
     pub fn of_type(ty: &Bound<'_, pyo3::types::PyType>) -> PyResult<Option<Self>> {
         let py = ty.py();
-        let header: *const DLPackExchangeAPIHeader =
-            if let Some(cap) = ty.getattr_opt(intern!(py, "__dlpack_c_exchange_api__"))? {
-                // SAFETY: IsValid checks the object is a capsule with exactly this name; sets no error.
-                if unsafe { ffi::PyCapsule_IsValid(cap.as_ptr(), EXCHANGE_API_CAPSULE.as_ptr()) } != 1 {
-                    return Ok(None);
-                }
-                // SAFETY: valid under this name.
-                unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), EXCHANGE_API_CAPSULE.as_ptr()) }.cast()
-            } else if let Some(addr) = ty.getattr_opt(intern!(py, "__c_dlpack_exchange_api__"))? {
-                match addr.extract::<usize>() {
-                    Ok(a) => a as *const DLPackExchangeAPIHeader,
-                    Err(_) => return Ok(None),
-                }
-            } else {
-                return Ok(None);
-            };
-        // SAFETY: the producer promises a process-lifetime static table at this address.
-        Ok(unsafe { Self::check(header) })
+        let Some(cap) = ty.getattr_opt(intern!(py, "__dlpack_c_exchange_api__"))? else { return Ok(None) };
+        // SAFETY: IsValid checks the object is a capsule with exactly this name; sets no error.
+        if unsafe { ffi::PyCapsule_IsValid(cap.as_ptr(), EXCHANGE_API_CAPSULE.as_ptr()) } != 1 {
+            return Ok(None);
+        }
+        // SAFETY: valid under this name.
+        let header = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), EXCHANGE_API_CAPSULE.as_ptr()) };
+        // SAFETY: a capsule of this name holds a process-lifetime static table by the standard's
+        // contract (as a `"dltensor"` capsule holds a tensor): the same trust `__dlpack__` gets.
+        Ok(unsafe { Self::check(header.cast(), ty) })
+    }
+
+    /// The table at `address` (DLPack 1.2's `__c_dlpack_exchange_api__` integer form), for `ty`.
+    ///
+    /// # Safety
+    ///
+    /// `address` is NULL or the address of a process-lifetime exchange table (every `prev_api`
+    /// link too) whose functions accept instances of `ty`: an integer a Python class attribute
+    /// holds proves nothing, so only call this for a type whose publisher you trust.
+    pub unsafe fn from_address(address: usize, ty: &Bound<'_, pyo3::types::PyType>) -> Option<Self> {
+        // SAFETY: the caller's promise.
+        unsafe { Self::check(std::ptr::with_exposed_provenance(address), ty) }
+    }
+
+    /// The table at `header` for `ty`, if [`ExchangeApi::validate_table`] accepts it.
+    ///
+    /// # Safety
+    ///
+    /// As for [`ExchangeApi::validate_table`], and the table's functions accept instances of `ty`.
+    pub unsafe fn check(
+        header: *const DLPackExchangeAPIHeader,
+        ty: &Bound<'_, pyo3::types::PyType>,
+    ) -> Option<Self> {
+        // SAFETY: the caller's promise.
+        let api = unsafe { Self::validate_table(header) }?;
+        Some(Self { api, ty: ty.as_type_ptr() as usize })
     }
 
     /// Walks the header chain to a major-1 table whose required functions are all present.
@@ -65,10 +94,11 @@ impl ExchangeApi {
     ///
     /// `header` is NULL or points to a process-lifetime exchange table (and so does every
     /// `prev_api` link).
-    pub unsafe fn check(mut header: *const DLPackExchangeAPIHeader) -> Option<Self> {
+    pub unsafe fn validate_table(
+        mut header: *const DLPackExchangeAPIHeader,
+    ) -> Option<&'static DLPackExchangeAPI> {
         for _ in 0..8 {
-            // A NULL or misaligned address (the 1.2 integer form can carry any int) is refused
-            // before it is dereferenced.
+            // A NULL or misaligned address is refused before it is dereferenced.
             if !header.is_aligned() {
                 return None;
             }
@@ -81,20 +111,43 @@ impl ExchangeApi {
                     && api.managed_tensor_from_py_object_no_sync.is_some()
                     && api.managed_tensor_to_py_object_no_sync.is_some()
                     && api.current_work_stream.is_some();
-                return complete.then_some(Self(api));
+                return complete.then_some(api);
             }
             header = h.prev_api;
         }
         None
     }
 
-    /// Exports `obj` (an instance of the type the table came from) as an owning tensor, without
-    /// stream synchronisation.
+    /// The checked table.
+    pub fn table(&self) -> &'static DLPackExchangeAPI {
+        self.api
+    }
+
+    /// Whether `obj` is exactly of the table's type (the objects its functions accept).
+    #[inline]
+    pub fn serves(&self, obj: &Bound<'_, PyAny>) -> bool {
+        obj.get_type_ptr() as usize == self.ty
+    }
+
+    #[cold]
+    fn wrong_type(obj: &Bound<'_, PyAny>) -> PyErr {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "exchange API: a table is only valid for the type it was read from, not {}",
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    }
+
+    /// Exports `obj` as an owning tensor, without stream synchronisation; `TypeError` unless `obj`
+    /// is exactly of the table's type.
     #[inline]
     pub fn managed_tensor(&self, obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
-        let f = self.0.managed_tensor_from_py_object_no_sync.expect("checked non-NULL");
+        if !self.serves(obj) {
+            return Err(Self::wrong_type(obj));
+        }
+        let f = self.api.managed_tensor_from_py_object_no_sync.expect("checked non-NULL");
         let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
-        // SAFETY: `obj` is a live object of the table's type, the GIL is held, `out` is writable.
+        // SAFETY: `obj` is a live object of exactly the table's type, the GIL is held (`obj` is
+        // bound to it), `out` is writable.
         let rc = unsafe { f(obj.as_ptr().cast(), &mut out) };
         if rc != 0 {
             return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
@@ -113,17 +166,20 @@ impl ExchangeApi {
         refuse_lazy_views(obj, mt.dtype())?;
         Ok(mt)
     }
-}
 
-impl ExchangeApi {
     /// The table's borrowed `DLTensor` of `obj` (valid while `obj` lives and its metadata is not
     /// changed, so read it at once), or `Ok(None)` when the table has no
-    /// `dltensor_from_py_object_no_sync`. Tensors whose memory does not hold their values as
-    /// DLPack reads them (torch's lazily conjugated views) are refused here.
+    /// `dltensor_from_py_object_no_sync`; `TypeError` unless `obj` is exactly of the table's type.
+    /// A borrowed `DLTensor` cannot say read-only: treat it as the producer's promise that writing
+    /// is allowed (dlbridge's own table refuses read-only tensors here). Tensors whose memory does
+    /// not hold their values as DLPack reads them (torch's lazily conjugated views) are refused.
     pub fn dltensor(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DLTensor>> {
-        let Some(f) = self.0.dltensor_from_py_object_no_sync else { return Ok(None) };
+        if !self.serves(obj) {
+            return Err(Self::wrong_type(obj));
+        }
+        let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
         let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
-        // SAFETY: a live object of the table's type, the GIL held, a writable DLTensor.
+        // SAFETY: a live object of exactly the table's type, the GIL held, a writable DLTensor.
         if unsafe { f(obj.as_ptr().cast(), t.as_mut_ptr()) } != 0 {
             return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
                 PyBufferError::new_err("dltensor_from_py_object_no_sync failed without an exception")
@@ -322,6 +378,15 @@ unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out
         return -1;
     }
     let inner: &Arc<ManagedTensor> = t.get().shared();
+    if inner.is_read_only() {
+        // A borrowed DLTensor has no flags: a consumer would take the memory as writable.
+        PyBufferError::new_err(
+            "dltensor_from_py_object_no_sync: the tensor is read-only, which a borrowed DLTensor \
+             cannot say; use managed_tensor_from_py_object_no_sync",
+        )
+        .restore(py);
+        return -1;
+    }
     let mut d = *inner.dl_tensor();
     // Shape and strides point into the tensor, which the borrowed object keeps alive; strides are
     // always materialised (NULL-stride producers get the tensor's own copy).

@@ -26,7 +26,10 @@ mod fastcall;
 mod import;
 mod numpy;
 mod protocols;
+mod release;
 mod tensor;
+#[cfg(feature = "test-hooks")]
+mod test_hooks;
 mod types;
 mod view;
 
@@ -79,6 +82,7 @@ unsafe extern "C" fn from_dlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython calls a function with the GIL held.
     let py = unsafe { Python::assume_attached() };
+    release::drain_queued(py);
     fastcall::run(py, || {
         let names = [
             pyo3::intern!(py, "device"),
@@ -119,6 +123,7 @@ unsafe extern "C" fn asdlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython calls a function with the GIL held.
     let py = unsafe { Python::assume_attached() };
+    release::drain_queued(py);
     fastcall::run(py, || {
         // SAFETY: CPython's fastcall arguments, alive for the call.
         let ([obj], [device_id]) = unsafe {
@@ -128,127 +133,6 @@ unsafe extern "C" fn asdlpack_fastcall(
         let any = asdlpack_with(&obj, device_id)?;
         Ok(Bound::new(py, Tensor::with_producer_stream(any.tensor, any.producer_stream))?.into_any())
     })
-}
-
-/// Whether a CUDA driver could be loaded in this process (tests use it to pick expectations).
-#[pyfunction]
-fn _cuda_driver_available() -> bool {
-    crate::cuda::Driver::get().is_ok()
-}
-
-/// Whether the verified numpy struct fast path is on in this process (tests and benchmarks).
-#[pyfunction]
-fn _numpy_fast_path() -> bool {
-    numpy::fast_path_enabled()
-}
-
-/// What the view test hooks return: `(data_ptr, shape, strides, dtype name, readonly)`.
-type ViewSeen = (usize, Vec<i64>, Vec<i64>, String, bool);
-
-/// Test hook: what a borrowed [`TensorView`] of `x` sees, as
-/// `(data_ptr, shape, strides, dtype name, readonly)`.
-#[pyfunction]
-fn _view(x: TensorView<'_>) -> ViewSeen {
-    (x.data_ptr() as usize, x.shape().to_vec(), x.strides().to_vec(), x.dtype().to_string(), x.is_read_only())
-}
-
-/// Test hook: borrows `x` as a [`TensorView`], calls `f()` (Python code that may change `x`'s
-/// metadata in place), then returns what the view sees, as [`_view`] does.
-#[pyfunction]
-fn _view_then(x: TensorView<'_>, f: &Bound<'_, PyAny>) -> PyResult<ViewSeen> {
-    f.call0()?;
-    Ok(_view(x))
-}
-
-/// Test hook: what `x`'s `ManagedTensor` sees through `Deref`, as [`_view`] does, with its
-/// description.
-#[pyfunction]
-fn _view_deref(x: TensorView<'_>) -> (ViewSeen, String) {
-    let m: &crate::ManagedTensor = &x;
-    let seen = (
-        m.data_ptr() as usize,
-        m.shape().to_vec(),
-        m.strides().to_vec(),
-        m.dtype().to_string(),
-        m.is_read_only(),
-    );
-    (seen, m.describe())
-}
-
-/// Test hook: adds `delta` to every element of a C-contiguous float64 view in place (through
-/// `as_slice_mut`), then returns the sum `as_slice` reads.
-#[pyfunction]
-fn _view_add(mut x: TensorView<'_>, delta: f64) -> PyResult<f64> {
-    x.as_slice_mut::<f64>()?.iter_mut().for_each(|v| *v += delta);
-    Ok(x.as_slice::<f64>()?.iter().sum())
-}
-
-/// Test hook: imports `x`, then drops the imported tensor on a new native thread that never held
-/// the GIL, while this thread has released it. The producer's deleter must cope (take the GIL
-/// itself); the test checks it ran.
-#[pyfunction]
-fn _drop_on_native_thread(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
-    let t = from_dlpack_with(x, &ImportOptions::default())?;
-    py.detach(move || std::thread::spawn(move || drop(t)).join())
-        .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the native thread panicked"))
-}
-
-/// Test hook: a buffer exporter that reports whatever metadata it is given (shape, strides,
-/// itemsize, format, len), over a small internal buffer, so the hostile-input tests can hand dlbridge
-/// inconsistent buffer views no real exporter produces. dlbridge must refuse them before reading.
-#[pyclass(name = "_HostileBuffer", module = "dlbridge", frozen)]
-struct HostileBuffer {
-    data: Vec<u8>,
-    shape: Vec<isize>,
-    strides: Vec<isize>,
-    itemsize: isize,
-    format: std::ffi::CString,
-    len: isize,
-}
-
-#[pymethods]
-impl HostileBuffer {
-    #[new]
-    #[pyo3(signature = (*, shape, strides, itemsize, format, length))]
-    fn new(
-        shape: Vec<isize>,
-        strides: Vec<isize>,
-        itemsize: isize,
-        format: &str,
-        length: isize,
-    ) -> PyResult<Self> {
-        let format = std::ffi::CString::new(format)
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
-        Ok(Self { data: vec![0; 64], shape, strides, itemsize, format, len: length })
-    }
-
-    unsafe fn __getbuffer__(
-        slf: PyRef<'_, Self>,
-        view: *mut pyo3::ffi::Py_buffer,
-        _flags: std::ffi::c_int,
-    ) -> PyResult<()> {
-        let (buf, shape, strides) = (slf.data.as_ptr(), slf.shape.as_ptr(), slf.strides.as_ptr());
-        let (len, itemsize, ndim, format) = (slf.len, slf.itemsize, slf.shape.len(), slf.format.as_ptr());
-        // SAFETY: filling the consumer's view; the arrays live as long as this frozen object, which
-        // the view references.
-        unsafe {
-            let v = &mut *view;
-            v.obj = slf.into_ptr();
-            v.buf = buf.cast_mut().cast();
-            v.len = len;
-            v.readonly = 1;
-            v.itemsize = itemsize;
-            v.format = format.cast_mut();
-            v.ndim = ndim as std::ffi::c_int;
-            v.shape = shape.cast_mut();
-            v.strides = strides.cast_mut();
-            v.suboffsets = std::ptr::null_mut();
-            v.internal = std::ptr::null_mut();
-        }
-        Ok(())
-    }
-
-    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }
 
 /// Adds dlbridge's classes, functions and constants to a Python module (the `dlbridge._dlbridge`
@@ -261,17 +145,73 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeviceType", device_type_enum(py)?)?;
     m.add("from_dlpack", FROM_DLPACK_DEF.function(m)?)?;
     m.add("asdlpack", ASDLPACK_DEF.function(m)?)?;
-    m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
-    m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
-    m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
-    m.add_function(wrap_pyfunction!(_view, m)?)?;
-    m.add_function(wrap_pyfunction!(_view_then, m)?)?;
-    m.add_function(wrap_pyfunction!(_view_deref, m)?)?;
-    m.add_function(wrap_pyfunction!(_view_add, m)?)?;
-    m.add_class::<HostileBuffer>()?;
+    #[cfg(feature = "test-hooks")]
+    test_hooks::add(m)?;
+    share_borrow_registry(py);
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
         m.add(t.to_string().as_str(), PyDType(t))?;
     }
     Ok(())
+}
+
+/// The name of the capsule (an attribute of the `sys` module) through which every extension
+/// module embedding dlbridge in one process shares one borrow registry; versioned with the
+/// table's layout.
+const BORROW_REGISTRY_ATTR: &str = "_dlbridge_borrow_registry_v1";
+const BORROW_REGISTRY_CAPSULE: &std::ffi::CStr = c"dlbridge.borrow_registry.v1";
+
+/// Whether this copy of the crate has joined the process's shared borrow registry.
+static REGISTRY_SHARED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes this copy of the crate use the process's shared borrow registry (see [`crate::borrow`]),
+/// once: every entry point from Python calls it (one relaxed load after the first time), so a
+/// downstream extension that never calls [`init_module`] joins too.
+#[inline]
+pub(crate) fn share_borrow_registry(py: Python<'_>) {
+    if !REGISTRY_SHARED.load(std::sync::atomic::Ordering::Relaxed) {
+        join_borrow_registry(py);
+    }
+}
+
+#[cold]
+fn join_borrow_registry(py: Python<'_>) {
+    // Under the GIL, so two threads of this module never race here.
+    if let Err(e) = try_join_borrow_registry(py) {
+        // A foreign object under the name: keep the crate's own registry (sound within this
+        // module) and say so once.
+        e.write_unraisable(py, None);
+    }
+    REGISTRY_SHARED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn try_join_borrow_registry(py: Python<'_>) -> PyResult<()> {
+    use pyo3::ffi;
+    let sys = py.import("sys")?;
+    if let Some(cap) = sys.getattr_opt(BORROW_REGISTRY_ATTR)? {
+        // SAFETY: IsValid checks the object is a capsule with exactly this name; sets no error.
+        if unsafe { ffi::PyCapsule_IsValid(cap.as_ptr(), BORROW_REGISTRY_CAPSULE.as_ptr()) } == 1 {
+            // SAFETY: valid under this name.
+            let p = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), BORROW_REGISTRY_CAPSULE.as_ptr()) };
+            // SAFETY: a capsule of this versioned name is only made below, over another copy's
+            // static `LOCAL` table (extension modules are never unloaded).
+            let api: &'static crate::borrow::RegistryApi = unsafe { &*p.cast() };
+            if api.version == crate::borrow::RegistryApi::VERSION {
+                // SAFETY: as above: a live table of this version for the rest of the process.
+                unsafe { crate::borrow::use_shared(api) };
+                return Ok(());
+            }
+        }
+        return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "dlbridge: sys.{BORROW_REGISTRY_ATTR} is not a dlbridge borrow registry of version {}; \
+             this module keeps its own",
+            crate::borrow::RegistryApi::VERSION
+        )));
+    }
+    let p = std::ptr::NonNull::from(&crate::borrow::LOCAL);
+    // SAFETY: a static table, a static name, no destructor (nothing to free).
+    let cap = unsafe { ffi::PyCapsule_New(p.as_ptr().cast(), BORROW_REGISTRY_CAPSULE.as_ptr(), None) };
+    // SAFETY: a new reference or NULL with an exception set.
+    let cap = unsafe { Bound::from_owned_ptr_or_err(py, cap) }?;
+    sys.setattr(BORROW_REGISTRY_ATTR, cap)
 }

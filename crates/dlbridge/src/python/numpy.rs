@@ -126,33 +126,21 @@ unsafe fn read<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
 fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> Option<bool> {
     // SAFETY: only called for an object whose type is named numpy.ndarray.
     let p = unsafe { read(obj) }?;
-    let mut view = std::mem::MaybeUninit::<ffi::Py_buffer>::zeroed();
-    // SAFETY: a zeroed view for numpy to fill.
-    if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) } != 0 {
-        let _ = PyErr::take(obj.py());
-        return None;
-    }
-    // SAFETY: filled by a successful GetBuffer.
-    let mut v = unsafe { view.assume_init() };
-    let nd = v.ndim as usize;
-    // SAFETY: nd entries owned by the exporter while the view is held; a NUL-terminated format.
-    let same = unsafe {
-        nd == p.shape.len()
-            && v.buf == p.data
-            && (nd == 0
-                || (std::slice::from_raw_parts(v.shape, nd) == p.shape
-                    && std::slice::from_raw_parts(v.strides, nd) == p.strides))
-            && (v.readonly != 0) == p.readonly
-            && !v.format.is_null()
-            && crate::interface::buffer_format(
-                &std::ffi::CStr::from_ptr(v.format).to_string_lossy(),
-                v.itemsize as usize,
-            )
-            .ok()
-                == Some(p.dtype)
+    let held = match super::release::HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO) {
+        Ok(h) => h,
+        Err(_) => return None,
     };
-    // SAFETY: released once.
-    unsafe { ffi::PyBuffer_Release(&mut v) };
+    let mut dims = crate::dims::Dims::new();
+    let Ok(m) = super::protocols::read_view(held.view(), &mut dims) else { return None };
+    let item = p.dtype.itemsize().unwrap_or(1);
+    let mut strides = vec![0i64; p.strides.len()];
+    let same = held.view().buf == p.data
+        && dims.shape().iter().copied().eq(p.shape.iter().map(|&d| d as i64))
+        && element_strides(&p, &mut strides)
+        && dims.strides() == strides.as_slice()
+        && m.readonly == p.readonly
+        && m.dtype == p.dtype
+        && item == held.view().itemsize as usize;
     Some(same)
 }
 
@@ -213,6 +201,7 @@ fn find_ndarray(mut ty: *mut ffi::PyTypeObject) -> Option<usize> {
 }
 
 /// Whether the fast path is on (for tests and the benchmark report).
+#[cfg(feature = "test-hooks")]
 pub fn fast_path_enabled() -> bool {
     NDARRAY.get().is_some_and(|&t| t != 0)
 }

@@ -6,7 +6,7 @@
 //! refusal names the protocol, the object's type and the field.
 
 use std::ffi::CStr;
-use std::mem::MaybeUninit;
+use std::ptr::NonNull;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -16,73 +16,39 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::capsule::is_capsule;
 use super::import::{ImportOptions, from_dlpack_with};
+use super::release::HeldBuffer;
 use crate::cuda::Driver;
 use crate::device::Device;
+use crate::dims::Dims;
 use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::interface;
 use crate::managed::ManagedTensor;
 
-/// Keeps a Python object alive for as long as a tensor uses its memory; releases it with the GIL
-/// (taken if needed), and leaks it rather than touch a finalized interpreter.
-pub struct PyOwner(Option<Py<PyAny>>);
+/// Keeps a Python object alive for as long as a tensor uses its memory. Dropped with the GIL it
+/// releases the reference at once; dropped without (a consumer's worker thread) it never waits for
+/// the GIL, which could deadlock, but queues the release (see `release.rs`); after finalization
+/// it leaks the reference rather than touch a dead interpreter.
+pub struct PyOwner(NonNull<ffi::PyObject>);
+
+// SAFETY: the reference is only released with the GIL held (queued otherwise); nothing else
+// dereferences it.
+unsafe impl Send for PyOwner {}
+// SAFETY: shared access does nothing with the pointer.
+unsafe impl Sync for PyOwner {}
 
 impl PyOwner {
     /// Owns a reference to `obj`.
     pub fn new(obj: &Bound<'_, PyAny>) -> Self {
-        Self(Some(obj.clone().unbind()))
+        // SAFETY: a live object's pointer, never NULL.
+        Self(unsafe { NonNull::new_unchecked(obj.clone().into_ptr()) })
     }
 }
 
 impl Drop for PyOwner {
     fn drop(&mut self) {
-        if let Some(obj) = self.0.take() {
-            // SAFETY: run with the GIL held; the reference is ours to release.
-            if !with_gil(move || unsafe { ffi::Py_DECREF(obj.into_ptr()) }) {
-                // The interpreter is finalizing or gone: the object cannot be released safely.
-            }
-        }
-    }
-}
-
-/// Runs `f` with the GIL held: directly when this thread already holds it (the common case: a
-/// consumer's deleter running inside numpy's or torch's array deallocation, where attaching
-/// through PyO3 would only add a PyGILState_Ensure/Release pair), else through
-/// `Python::try_attach`. False, with `f` not run, when the interpreter is finalizing or gone.
-fn with_gil(f: impl FnOnce()) -> bool {
-    if attached_here() {
-        f();
-        return true;
-    }
-    Python::try_attach(|_py| f()).is_some()
-}
-
-/// Whether this thread holds the GIL (is attached to the interpreter), asked without taking it:
-/// the thread state CPython has current is this thread's own. False when in doubt (no current
-/// thread state, or one this thread did not get through `PyGILState`), and then callers attach
-/// through PyO3, which also handles a finalizing interpreter.
-#[inline]
-fn attached_here() -> bool {
-    // SAFETY: reads CPython's current thread state, NULL when none (also after finalization).
-    let current = unsafe { ffi::compat::PyThreadState_GetUnchecked() };
-    // SAFETY: only reached with a live runtime (a current thread state exists); reads this
-    // thread's own PyGILState slot.
-    !current.is_null() && current == unsafe { ffi::PyGILState_GetThisThreadState() }
-}
-
-/// A buffer-protocol view held for as long as a tensor uses it; released with the GIL.
-struct BufferOwner(Box<ffi::Py_buffer>);
-
-// SAFETY: the view is only released (with the GIL held) in Drop; nothing else touches it.
-unsafe impl Send for BufferOwner {}
-
-impl Drop for BufferOwner {
-    fn drop(&mut self) {
-        let view: *mut ffi::Py_buffer = &mut *self.0;
-        // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL.
-        if !with_gil(|| unsafe { ffi::PyBuffer_Release(view) }) {
-            // Interpreter gone: leak the view (and its reference) rather than crash.
-        }
+        // SAFETY: the strong reference `new` took, given up once.
+        unsafe { super::release::release_object(self.0) }
     }
 }
 
@@ -129,50 +95,27 @@ pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult
     )))
 }
 
-/// Takes a buffer-protocol view of `obj` (read-only request; `readonly` tells the truth).
-fn get_buffer(obj: &Bound<'_, PyAny>) -> PyResult<BufferOwner> {
-    let mut view: Box<MaybeUninit<ffi::Py_buffer>> = Box::new(MaybeUninit::zeroed());
-    // SAFETY: a zeroed Py_buffer for the exporter to fill; strides and format requested.
-    let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) };
-    if rc != 0 {
-        return Err(PyErr::fetch(obj.py()));
-    }
-    // SAFETY: GetBuffer succeeded, so the view is initialised (and must be released: the owner does).
-    Ok(BufferOwner(unsafe { Box::from_raw(Box::into_raw(view).cast::<ffi::Py_buffer>()) }))
-}
-
 fn buffer_error(obj: &Bound<'_, PyAny>, msg: impl std::fmt::Display) -> PyErr {
     PyBufferError::new_err(format!("buffer protocol of {}: {msg}", type_name(obj)))
 }
 
-/// What a filled buffer-protocol view describes, checked. Strides are converted to elements.
-pub(crate) struct ViewMeta<'v> {
+/// What a filled buffer-protocol view describes besides its dims, checked.
+pub(crate) struct ViewMeta {
     /// Element type, from the format and item size.
     pub dtype: DataType,
-    /// The exporter's extents.
-    pub shape: &'v [i64],
-    /// Strides in elements: `inline[..ndim]` when ndim <= 8, `spill` otherwise.
-    pub inline: [i64; 8],
-    /// Strides in elements beyond 8 dimensions.
-    pub spill: Vec<i64>,
     /// Whether the exporter forbids writes.
     pub readonly: bool,
 }
 
-impl ViewMeta<'_> {
-    /// The element strides.
-    pub fn strides(&self) -> &[i64] {
-        if self.shape.len() <= 8 { &self.inline[..self.shape.len()] } else { &self.spill }
-    }
-}
-
 const _: () = assert!(size_of::<isize>() == size_of::<i64>(), "buffer views assume a 64-bit Py_ssize_t");
 
-/// Reads and checks a filled `Py_buffer`: no suboffsets, a tensor format consistent with the item
-/// size, ndim within `MAX_NDIM`, shape and strides present, byte strides that are multiples of the
-/// item size (never truncated), valid extents, and `len` equal to the element count times the item
-/// size. The error names the field. Used by `asdlpack` and by `TensorView`.
-pub(crate) fn read_view(v: &ffi::Py_buffer) -> Result<ViewMeta<'_>, String> {
+/// Reads and checks a filled `Py_buffer`, writing its shape and element strides into `dims`: no
+/// suboffsets, a tensor format consistent with the item size, ndim within `MAX_NDIM`, byte strides
+/// that are multiples of the item size (never truncated), valid extents, and `len` equal to the
+/// element count times the item size. NULL strides mean C order and a NULL shape a 1-d buffer of
+/// `len / itemsize` items (PEP 3118, as numpy reads them). The error names the field. The one
+/// reader of buffer views: `asdlpack` and `TensorView` both call it.
+pub(crate) fn read_view(v: &ffi::Py_buffer, dims: &mut Dims) -> Result<ViewMeta, String> {
     if !v.suboffsets.is_null() {
         return Err("suboffsets (indirect, PIL-style buffers) cannot be a tensor".into());
     }
@@ -182,50 +125,69 @@ pub(crate) fn read_view(v: &ffi::Py_buffer) -> Result<ViewMeta<'_>, String> {
         // SAFETY: a NUL-terminated format string owned by the view.
         unsafe { CStr::from_ptr(v.format) }.to_string_lossy()
     };
-    let itemsize = usize::try_from(v.itemsize).map_err(|_| format!("itemsize {} is negative", v.itemsize))?;
+    let itemsize = usize::try_from(v.itemsize)
+        .ok()
+        .filter(|&i| i > 0)
+        .ok_or_else(|| format!("itemsize {} is not positive", v.itemsize))?;
     let dtype = interface::buffer_format(&format, itemsize).map_err(|e| e.to_string())?;
     let ndim = usize::try_from(v.ndim)
         .ok()
         .filter(|&n| n <= crate::MAX_NDIM)
         .ok_or_else(|| format!("ndim {} is out of range", v.ndim))?;
-    if ndim > 0 && (v.shape.is_null() || v.strides.is_null()) {
-        return Err("shape or strides missing".into());
-    }
-    // SAFETY: the exporter provides ndim shape and strides entries while the view is held;
-    // Py_ssize_t has the size and alignment of int64_t (asserted above).
-    let (shape, bytes) = unsafe {
-        if ndim == 0 {
-            (&[][..], &[][..])
-        } else {
-            (
-                std::slice::from_raw_parts(v.shape.cast::<i64>(), ndim),
-                std::slice::from_raw_parts(v.strides, ndim),
-            )
+    let len = usize::try_from(v.len).map_err(|_| format!("len {} is negative", v.len))?;
+    if v.shape.is_null() {
+        // A plain byte run: one dimension of len / itemsize items.
+        if ndim > 1 || len % itemsize != 0 {
+            return Err(format!(
+                "shape is NULL with ndim {ndim} and len {len} (not a whole number of {itemsize}-byte items)"
+            ));
         }
-    };
-    let mut meta = ViewMeta { dtype, shape, inline: [0; 8], spill: Vec::new(), readonly: v.readonly != 0 };
-    if ndim > 8 {
-        meta.spill = vec![0; ndim];
+        let n = ndim;
+        let (shape, strides) = dims.resize(n);
+        if n == 1 {
+            shape[0] = (len / itemsize) as i64;
+            strides[0] = 1;
+        }
+    } else {
+        let (shape, strides) = dims.resize(ndim);
+        // SAFETY: the exporter provides ndim shape entries while the view is held; Py_ssize_t has
+        // the size and alignment of int64_t (asserted above).
+        let given = unsafe { std::slice::from_raw_parts(v.shape.cast::<i64>(), ndim) };
+        shape.copy_from_slice(given);
+        if v.strides.is_null() {
+            strides.copy_from_slice(&crate::layout::c_strides(given));
+        } else {
+            // SAFETY: as for shape.
+            let bytes = unsafe { std::slice::from_raw_parts(v.strides, ndim) };
+            interface::element_strides(bytes.iter().map(|&b| b as i64), itemsize, strides)?;
+        }
     }
-    let out: &mut [i64] = if ndim <= 8 { &mut meta.inline[..ndim] } else { &mut meta.spill };
-    interface::element_strides(bytes.iter().map(|&b| b as i64), itemsize, out)?;
-    let numel = crate::layout::element_count(shape).map_err(|e| e.to_string())?;
-    if numel.checked_mul(itemsize as u64) != Some(v.len as u64) {
-        return Err(format!("len {} does not match shape {:?} of {itemsize}-byte items", v.len, shape));
+    let numel = crate::layout::element_count(dims.shape()).map_err(|e| e.to_string())?;
+    if numel.checked_mul(itemsize as u64) != Some(len as u64) {
+        return Err(format!("len {len} does not match shape {:?} of {itemsize}-byte items", dims.shape()));
     }
-    Ok(meta)
+    Ok(ViewMeta { dtype, readonly: v.readonly != 0 })
 }
 
 fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
-    let owner = get_buffer(obj)?;
-    let v = &*owner.0;
-    let m = read_view(v).map_err(|e| buffer_error(obj, e))?;
+    let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
+    let mut dims = Dims::new();
+    let m = read_view(held.view(), &mut dims).map_err(|e| buffer_error(obj, e))?;
     let flags = Flags::NONE.with(Flags::READ_ONLY, m.readonly);
-    let (data, shape, strides) = (v.buf, m.shape.to_vec(), m.strides().to_vec());
-    // SAFETY: the view's memory (data, shape, strides as the exporter describes them) stays valid
-    // while `owner` holds the view; writable only if the exporter said so.
+    let data = held.view().buf;
+    // SAFETY: the view's memory (data, as the exporter describes it) stays valid while `held`
+    // holds the view; writable only if the exporter said so.
     let t = unsafe {
-        ManagedTensor::from_raw_parts(data, Device::CPU, m.dtype, &shape, Some(&strides), 0, flags, owner)
+        ManagedTensor::from_raw_parts(
+            data,
+            Device::CPU,
+            m.dtype,
+            dims.shape(),
+            Some(dims.strides()),
+            0,
+            flags,
+            held,
+        )
     };
     t.map_err(|e| buffer_error(obj, e))
 }
@@ -403,10 +365,10 @@ fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResu
                     type_name(&src)
                 )));
             }
-            let view = get_buffer(&src)?;
-            let base = view.0.buf as usize;
-            let len = view.0.len as usize;
-            let ro = view.0.readonly != 0;
+            let view = HeldBuffer::get(&src, ffi::PyBUF_RECORDS_RO)?;
+            let base = view.view().buf as usize;
+            let len = view.view().len as usize;
+            let ro = view.view().readonly != 0;
             let l = iface.layout(&who, offset, Some(len))?;
             let flags = Flags::NONE.with(Flags::READ_ONLY, ro);
             // SAFETY: the layout was checked to stay inside the buffer view, which the owner holds.

@@ -143,6 +143,7 @@ unsafe extern "C" fn dlpack_fastcall(
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls a method with the GIL held.
     let py = unsafe { Python::assume_attached() };
+    super::release::drain_queued(py);
     fastcall::run(py, || {
         let names = [
             pyo3::intern!(py, "stream"),
@@ -243,7 +244,10 @@ impl Tensor {
         }
         let device = self.inner.device().id();
         crate::cuda::Driver::get()
-            .and_then(|d| d.stream_wait(device, producer, consumer as usize))
+            // SAFETY: the producer stream is the one its `__cuda_array_interface__` declared live;
+            // the consumer stream is the caller's, which the array API standard makes responsible
+            // for passing a valid stream of the tensor's device (as torch and cupy trust it).
+            .and_then(|d| unsafe { d.stream_wait(device, producer, consumer as usize) })
             .map_err(|why| PyBufferError::new_err(format!("__dlpack__: cannot make stream {consumer} wait for the producer's stream {producer:#x}: {why}")))
     }
 

@@ -6,7 +6,6 @@
 //! exporter), and otherwise an ordinary owned import.
 
 use std::marker::PhantomData;
-use std::mem::MaybeUninit;
 use std::ops::Deref;
 use std::ptr::NonNull;
 
@@ -16,44 +15,25 @@ use pyo3::prelude::*;
 
 use super::cache;
 use super::import::{ImportOptions, from_dlpack_with};
+use super::release::HeldBuffer;
 use super::tensor::Tensor;
 use crate::device::Device;
+use crate::dims::Dims;
 use crate::ffi::DLTensor;
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
 
-const INLINE: usize = 8;
-
-/// Where a borrowed `DLTensor` and the storage it points into live while the view exists (one
-/// heap block, so the addresses stay put when the view moves).
+/// Where a borrowed `DLTensor` and the dims it points into live while the view exists: one heap
+/// block, so the addresses stay put when the view moves. The view holds it as a raw pointer (a
+/// `Box` moved after the `DLTensor` pointed into it would be retagged as unique).
 struct Borrow {
     tensor: DLTensor,
-    strides: [i64; INLINE],
-    spill: Vec<i64>,
-    shape: [i64; INLINE],
-    shape_spill: Vec<i64>,
-    buffer: Option<ffi::Py_buffer>,
-}
-
-impl Borrow {
-    /// Releases a held buffer view (the GIL is held: views live inside the call that made them).
-    fn release(&mut self) {
-        if let Some(mut view) = self.buffer.take() {
-            // SAFETY: a view filled by PyObject_GetBuffer, released once, with the GIL held.
-            unsafe { ffi::PyBuffer_Release(&mut view) };
-        }
-    }
-}
-
-impl Drop for Borrow {
-    fn drop(&mut self) {
-        self.release();
-    }
+    dims: Dims,
+    buffer: Option<HeldBuffer>,
 }
 
 thread_local! {
-    /// Spare storage blocks, so a view costs no allocation in steady state. Boxed on purpose: a
-    /// live view points into its block, so blocks must keep their address when the pool moves.
+    /// Spare storage blocks, so a view costs no allocation in steady state.
     #[allow(clippy::vec_box)]
     static POOL: std::cell::RefCell<Vec<Box<Borrow>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -76,7 +56,8 @@ thread_local! {
 pub struct TensorView<'a> {
     // Declared first so it drops before the storage it points into.
     tensor: ManagedTensor,
-    borrow: Option<Box<Borrow>>,
+    /// The block `tensor` points into (from `Box::into_raw`), or None for an owned import.
+    borrow: Option<NonNull<Borrow>>,
     _source: PhantomData<&'a ()>,
     _not_send: PhantomData<*const ()>,
 }
@@ -90,50 +71,99 @@ impl Deref for TensorView<'_> {
 
 impl TensorView<'_> {
     /// The elements as a mutable slice (see [`ManagedTensor::as_slice_mut`]).
-    pub fn as_slice_mut<T: crate::Element>(&mut self) -> crate::Result<&mut [T]> {
+    pub fn as_slice_mut<T: crate::Element>(&mut self) -> crate::Result<crate::SliceMut<'_, T>> {
         self.tensor.as_slice_mut()
     }
 
     /// A mutable ndarray view (see [`ManagedTensor::as_array_mut`]).
     #[cfg(feature = "ndarray")]
-    pub fn as_array_mut<T: crate::Element>(&mut self) -> crate::Result<ndarray::ArrayViewMutD<'_, T>> {
+    pub fn as_array_mut<T: crate::Element>(&mut self) -> crate::Result<crate::ndarray::ArrayGuardMut<'_, T>> {
         self.tensor.as_array_mut()
     }
+}
 
-    /// The view of a filled block: the common tensor inline, anything else through the general
-    /// checks (out of line, so the common case builds the view where it is returned).
+impl<'a> TensorView<'a> {
+    /// Borrows `obj` for as long as the reference to it lives: the view cannot outlive the object.
+    ///
+    /// ```compile_fail,E0597
+    /// use dlbridge::python::TensorView;
+    /// use pyo3::prelude::*;
+    /// Python::attach(|py| {
+    ///     let v: TensorView<'_> = {
+    ///         let a = pyo3::types::PyBytes::new(py, b"abc").into_any();
+    ///         TensorView::borrow(&a).unwrap() // E0597: `a` does not live long enough
+    ///     };
+    ///     v.shape().len()
+    /// });
+    /// ```
+    #[inline(always)]
+    pub fn borrow(obj: &'a Bound<'_, PyAny>) -> PyResult<Self> {
+        // SAFETY: `obj` is borrowed for 'a, so the object lives at least that long.
+        unsafe { Self::borrow_for(obj) }
+    }
+
+    /// [`TensorView::borrow`] for a lifetime the caller vouches for.
+    ///
+    /// # Safety
+    ///
+    /// The object `obj` refers to lives for `'a`.
+    #[inline(always)]
+    unsafe fn borrow_for(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        super::share_borrow_registry(obj.py());
+        // The commonest argument, an exact numpy array, is built where the view is returned: a
+        // view written through a chain of returns is read back whole from the stack each time (a
+        // store-forwarding stall per hop).
+        if let Some(v) = super::numpy::parts_exact(obj).and_then(Self::from_numpy) {
+            return v;
+        }
+        Self::borrow_other(obj)
+    }
+
+    /// The view of a filled block: its `DLTensor` pointed at its dims, then the common tensor
+    /// checked inline and anything else through the general checks (out of line, so the common
+    /// case builds the view where it is returned).
     #[inline(always)]
     fn from_borrow(borrow: Box<Borrow>, flags: Flags) -> PyResult<Self> {
-        match Self::from_borrow_if_common(borrow, flags) {
-            Ok(v) => Ok(v),
-            Err(b) => Self::from_borrow_general(b, flags),
+        let block = Box::into_raw(borrow);
+        // SAFETY: `block` is a live, exclusively owned block; the dims pointers are derived through
+        // it and written into its DLTensor in place, and the tensor pointer too. The block and what
+        // it points to (the dims, the exporter's memory held by the buffer view or by the object
+        // the caller borrows for 'a) outlive `tensor`, which is declared first and dropped first.
+        unsafe {
+            let (shape, strides) = Dims::pointers(std::ptr::addr_of_mut!((*block).dims));
+            (*block).tensor.shape = shape;
+            (*block).tensor.strides = strides;
+            let p = NonNull::new_unchecked(std::ptr::addr_of_mut!((*block).tensor));
+            let block = NonNull::new_unchecked(block);
+            match ManagedTensor::borrowed_if_common(p, flags) {
+                Some(tensor) => Ok(Self::with(tensor, Some(block))),
+                None => Self::from_borrow_general(p, block, flags),
+            }
         }
     }
 
+    /// # Safety
+    ///
+    /// As in [`TensorView::from_borrow`], whose block `block` is and whose tensor `p` is.
     #[inline(never)]
-    fn from_borrow_general(borrow: Box<Borrow>, flags: Flags) -> PyResult<Self> {
-        let p = NonNull::from(&borrow.tensor);
-        // SAFETY: the DLTensor and what it points to (the boxed strides, the exporter's memory held
-        // by the Py_buffer or the object the caller borrows for the call) outlive `tensor`, which
-        // is declared first and so dropped first.
-        let tensor = unsafe { ManagedTensor::borrowed(p, flags) }?;
-        Ok(Self::with(tensor, Some(borrow)))
-    }
-
-    /// [`TensorView::from_borrow`] for the common tensor: `Err` gives the block back when the
-    /// general checks must decide.
-    #[inline(always)]
-    fn from_borrow_if_common(borrow: Box<Borrow>, flags: Flags) -> Result<Self, Box<Borrow>> {
-        let p = NonNull::from(&borrow.tensor);
-        // SAFETY: as in `from_borrow`.
-        match unsafe { ManagedTensor::borrowed_if_common(p, flags) } {
-            Some(tensor) => Ok(Self::with(tensor, Some(borrow))),
-            None => Err(borrow),
+    unsafe fn from_borrow_general(
+        p: NonNull<DLTensor>,
+        block: NonNull<Borrow>,
+        flags: Flags,
+    ) -> PyResult<Self> {
+        // SAFETY: the caller's promise.
+        match unsafe { ManagedTensor::borrowed(p, flags) } {
+            Ok(tensor) => Ok(Self::with(tensor, Some(block))),
+            Err(e) => {
+                // SAFETY: the block from `Box::into_raw`, no longer pointed to by anything.
+                recycle(unsafe { Box::from_raw(block.as_ptr()) });
+                Err(e.into())
+            }
         }
     }
 
     #[inline(always)]
-    fn with(tensor: ManagedTensor, borrow: Option<Box<Borrow>>) -> Self {
+    fn with(tensor: ManagedTensor, borrow: Option<NonNull<Borrow>>) -> Self {
         Self { tensor, borrow, _source: PhantomData, _not_send: PhantomData }
     }
 
@@ -142,13 +172,11 @@ impl TensorView<'_> {
     fn numpy_block(p: super::numpy::NumpyParts<'_>) -> Option<Box<Borrow>> {
         let mut b = blank();
         let n = p.shape.len();
-        let ok = if n <= INLINE {
-            super::numpy::element_strides(&p, &mut b.strides[..n])
-        } else {
-            b.spill = vec![0; n];
-            super::numpy::element_strides(&p, &mut b.spill)
-        };
-        if !ok {
+        let (shape, strides) = b.dims.resize(n);
+        for (d, &s) in shape.iter_mut().zip(p.shape) {
+            *d = s as i64;
+        }
+        if !super::numpy::element_strides(&p, strides) {
             recycle(b);
             return None;
         }
@@ -161,10 +189,6 @@ impl TensorView<'_> {
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         };
-        point_strides(&mut b, n);
-        // npy_intp and int64_t have the same size and alignment on 64-bit targets.
-        // SAFETY: the array's n extents read as i64 instead of isize (identical layout).
-        set_shape(&mut b, unsafe { std::slice::from_raw_parts(p.shape.as_ptr().cast::<i64>(), n) });
         Some(b)
     }
 
@@ -175,26 +199,15 @@ impl TensorView<'_> {
         Some(Self::from_borrow(Self::numpy_block(p)?, flags))
     }
 
-    /// Borrows `obj` for the lifetime `'a` of the call.
-    #[inline(always)]
-    pub fn borrow(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        // The commonest argument, an exact numpy array, is built where the view is returned: a
-        // view written through a chain of returns is read back whole from the stack each time (a
-        // store-forwarding stall per hop).
-        if let Some(v) = super::numpy::parts_exact(obj).and_then(Self::from_numpy) {
-            return v;
-        }
-        Self::borrow_other(obj)
-    }
-
     /// Every source but an exact numpy array.
     #[inline(never)]
     fn borrow_other(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        super::release::drain_queued(obj.py());
         if let Ok(t) = obj.cast_exact::<Tensor>() {
             let inner = t.get().shared();
             let mut b = blank();
             b.tensor = *inner.dl_tensor();
-            set_strides(&mut b, inner.strides());
+            b.dims.set(inner.shape(), inner.strides());
             return Self::from_borrow(b, inner.flags());
         }
         let info = cache::type_info(&obj.get_type())?;
@@ -203,22 +216,29 @@ impl TensorView<'_> {
                 return v;
             }
         }
-        if let Some(t) = info.exchange.map(|api| api.dltensor(obj)).transpose()?.flatten() {
-            if Device::from(t.device) == Device::CPU {
-                let mut b = blank();
-                b.tensor = t;
-                if !copy_dims_inline(&mut b, &t) {
-                    // SAFETY: the producer's description, read at once for ndim entries (checked).
-                    let (shape, strides) = unsafe { crate::managed::dims_of(&t) }?;
-                    set_shape(&mut b, shape);
-                    match strides {
-                        Some(s) => set_strides(&mut b, s),
-                        None => b.tensor.strides = std::ptr::null_mut(),
+        if let Some(api) = info.exchange {
+            // The borrowed DLTensor cannot say read-only; dlbridge's own table refuses read-only
+            // tensors there, and any refusal falls through to the owned import, which carries the
+            // producer's flags (and its error, if it refuses too).
+            match api.dltensor(obj) {
+                Ok(Some(t)) if Device::from(t.device) == Device::CPU => {
+                    let mut b = blank();
+                    b.tensor = t;
+                    // SAFETY: the producer's description, read at once: ndim entries each (checked).
+                    match unsafe { crate::managed::dims_of(&t) } {
+                        Ok((shape, Some(strides))) => b.dims.set(shape, strides),
+                        Ok((shape, None)) => b.dims.set(shape, &crate::layout::c_strides(shape)),
+                        Err(e) => {
+                            recycle(b);
+                            return Err(e.into());
+                        }
                     }
+                    return Self::from_borrow(b, Flags::NONE);
                 }
-                return Self::from_borrow(b, Flags::NONE);
+                // Device memory needs stream handling: the protocol path below.
+                Ok(_) => {}
+                Err(_) => return Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None)),
             }
-            // Device memory needs stream handling: fall through to the protocol path.
         }
         // SAFETY: a type-slot check on a live object.
         if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
@@ -234,33 +254,26 @@ impl TensorView<'_> {
     }
 
     fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
         let mut b = blank();
-        let mut view = MaybeUninit::<ffi::Py_buffer>::zeroed();
-        // SAFETY: a zeroed view for the exporter to fill (strides and format requested).
-        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view.as_mut_ptr(), ffi::PyBUF_RECORDS_RO) } != 0 {
-            return Err(PyErr::fetch(obj.py()));
-        }
-        // SAFETY: filled by a successful GetBuffer; released by the block (or its drop) from here on.
-        b.buffer = Some(unsafe { view.assume_init() });
-        let v = b.buffer.as_ref().expect("just set");
-        let m = super::protocols::read_view(v)
-            .map_err(|e| PyBufferError::new_err(format!("buffer protocol: {e}")))?;
-        let (n, readonly) = (m.shape.len(), m.readonly);
-        let tensor = DLTensor {
-            data: v.buf,
+        let m = match super::protocols::read_view(held.view(), &mut b.dims) {
+            Ok(m) => m,
+            Err(e) => {
+                recycle(b);
+                return Err(PyBufferError::new_err(format!("buffer protocol: {e}")));
+            }
+        };
+        b.tensor = DLTensor {
+            data: held.view().buf,
             device: Device::CPU.to_raw(),
-            ndim: n as i32,
+            ndim: b.dims.ndim() as i32,
             dtype: m.dtype.to_raw(),
-            shape: m.shape.as_ptr().cast_mut(),
+            shape: std::ptr::null_mut(),
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         };
-        let (inline, spill) = (m.inline, m.spill);
-        b.tensor = tensor;
-        b.strides = inline;
-        b.spill = spill;
-        point_strides(&mut b, n);
-        Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, readonly))
+        b.buffer = Some(held);
+        Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, m.readonly))
     }
 }
 
@@ -269,14 +282,15 @@ impl Drop for TensorView<'_> {
         // The borrowed ManagedTensor never dereferences its pointer when dropped, so the block can
         // be released and recycled first.
         if let Some(b) = self.borrow.take() {
-            recycle(b);
+            // SAFETY: the block from `Box::into_raw` in `from_borrow`, owned by this view alone.
+            recycle(unsafe { Box::from_raw(b.as_ptr()) });
         }
     }
 }
 
 /// Releases what a block holds and keeps it for the next view (up to 8 spare blocks a thread).
 fn recycle(mut b: Box<Borrow>) {
-    b.release();
+    b.buffer = None;
     POOL.with_borrow_mut(|p| {
         if p.len() < 8 {
             p.push(b);
@@ -288,14 +302,13 @@ impl<'a, 'py> FromPyObject<'a, 'py> for TensorView<'a> {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        TensorView::borrow(&obj)
+        // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
+        unsafe { TensorView::borrow_for(&obj) }
     }
 }
 
 fn blank() -> Box<Borrow> {
-    if let Some(mut b) = POOL.with_borrow_mut(Vec::pop) {
-        b.spill.clear();
-        b.shape_spill.clear();
+    if let Some(b) = POOL.with_borrow_mut(Vec::pop) {
         return b;
     }
     Box::new(Borrow {
@@ -308,70 +321,7 @@ fn blank() -> Box<Borrow> {
             strides: std::ptr::null_mut(),
             byte_offset: 0,
         },
-        strides: [0; INLINE],
-        spill: Vec::new(),
-        shape: [0; INLINE],
-        shape_spill: Vec::new(),
+        dims: Dims::new(),
         buffer: None,
     })
-}
-
-/// The common case of [`set_shape`] and [`set_strides`] in one pass: both given, aligned, for 1 to
-/// 8 dimensions, copied element by element into the block (a `memcpy` call costs more than these
-/// few moves). False, with nothing written, for anything else: the checked path then runs.
-fn copy_dims_inline(b: &mut Borrow, t: &DLTensor) -> bool {
-    let n = match usize::try_from(t.ndim) {
-        Ok(n) if (1..=INLINE).contains(&n) => n,
-        _ => return false,
-    };
-    if t.shape.is_null() || t.strides.is_null() || !t.shape.is_aligned() || !t.strides.is_aligned() {
-        return false;
-    }
-    for i in 0..n {
-        // SAFETY: non-NULL, aligned, and the producer's `ndim` entries each (checked above).
-        unsafe {
-            b.shape[i] = t.shape.add(i).read();
-            b.strides[i] = t.strides.add(i).read();
-        }
-    }
-    b.tensor.shape = b.shape.as_mut_ptr();
-    b.tensor.strides = b.strides.as_mut_ptr();
-    true
-}
-
-/// Copies `strides` into the boxed storage and points the DLTensor at it.
-fn set_strides(b: &mut Borrow, strides: &[i64]) {
-    let n = strides.len();
-    if n <= INLINE {
-        b.strides[..n].copy_from_slice(strides);
-    } else {
-        b.spill = strides.to_vec();
-    }
-    point_strides(b, n);
-}
-
-/// Copies `shape` into the block and points the DLTensor at it. Views keep their own shape (and
-/// strides), so Python code the called function runs cannot change them under the view (numpy's
-/// `a.shape = ...` frees the old dimensions; torch's in-place `unsqueeze_` rewrites them).
-fn set_shape(b: &mut Borrow, shape: &[i64]) {
-    let n = shape.len();
-    b.tensor.shape = if n == 0 {
-        std::ptr::null_mut()
-    } else if n <= INLINE {
-        b.shape[..n].copy_from_slice(shape);
-        b.shape.as_mut_ptr()
-    } else {
-        b.shape_spill = shape.to_vec();
-        b.shape_spill.as_mut_ptr()
-    };
-}
-
-fn point_strides(b: &mut Borrow, n: usize) {
-    b.tensor.strides = if n == 0 {
-        std::ptr::null_mut()
-    } else if n <= INLINE {
-        b.strides.as_mut_ptr()
-    } else {
-        b.spill.as_mut_ptr()
-    };
 }

@@ -1,0 +1,170 @@
+//! Releasing Python resources from deleters and drops without ever blocking: a reference
+//! ([`release_object`]) or a buffer-protocol view ([`HeldBuffer`]) is released at once when this
+//! thread holds the GIL, and otherwise queued and released by the next thread that does.
+//!
+//! A deleter may run on any thread: a consumer's worker, a rayon task, a thread the interpreter
+//! never saw. Taking the GIL there (`PyGILState_Ensure`) can deadlock: the thread holding it may be
+//! waiting for this one (a scoped worker joined by a caller that did not release the GIL). So a
+//! drop without the GIL only pushes onto a short mutex-guarded queue (never held while calling
+//! out) and asks CPython to drain it through `Py_AddPendingCall`, which the interpreter's main
+//! thread runs at its next check; every entry point of dlbridge that holds the GIL also drains
+//! it, as PyO3 does with its own deferred reference counts. After finalization nothing is queued:
+//! the resource is leaked rather than touch a dead interpreter.
+
+use std::ffi::{c_int, c_void};
+use std::mem::MaybeUninit;
+use std::ptr::NonNull;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// Something to release with the GIL.
+enum Pending {
+    Object(NonNull<ffi::PyObject>),
+    Buffer(NonNull<ffi::Py_buffer>),
+}
+
+// SAFETY: the pointers are only dereferenced (released) by a thread holding the GIL.
+unsafe impl Send for Pending {}
+
+impl Pending {
+    /// # Safety
+    ///
+    /// The GIL is held; the resource is released once.
+    unsafe fn release(self) {
+        match self {
+            // SAFETY: the caller's promise; a strong reference owned by the queue.
+            Pending::Object(p) => unsafe { ffi::Py_DECREF(p.as_ptr()) },
+            // SAFETY: a filled view owned by the queue, released once, then its box freed.
+            Pending::Buffer(p) => unsafe {
+                ffi::PyBuffer_Release(p.as_ptr());
+                drop(Box::from_raw(p.as_ptr()));
+            },
+        }
+    }
+}
+
+static QUEUE: Mutex<Vec<Pending>> = Mutex::new(Vec::new());
+/// Whether the queue may be non-empty (checked without the lock on every entry point).
+static QUEUED: AtomicBool = AtomicBool::new(false);
+/// Whether a pending call to drain the queue is already scheduled.
+static SCHEDULED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this thread holds the GIL, asked without taking it: the thread state CPython has current
+/// is this thread's own. False when in doubt (no current thread state, or one this thread did not
+/// get through `PyGILState`); then the resource is queued, which is always safe.
+#[inline]
+pub(crate) fn attached_here() -> bool {
+    // SAFETY: reads CPython's current thread state, NULL when none (also after finalization).
+    let current = unsafe { ffi::compat::PyThreadState_GetUnchecked() };
+    // SAFETY: only reached with a live runtime (a current thread state exists); reads this
+    // thread's own PyGILState slot.
+    !current.is_null() && current == unsafe { ffi::PyGILState_GetThisThreadState() }
+}
+
+fn release_or_queue(p: Pending) {
+    if attached_here() {
+        // SAFETY: this thread holds the GIL.
+        unsafe { p.release() };
+        return;
+    }
+    // SAFETY: reads a runtime flag; callable without the GIL.
+    if unsafe { ffi::Py_IsInitialized() } == 0 {
+        // The interpreter is gone: leak rather than crash.
+        std::mem::forget(p);
+        return;
+    }
+    QUEUE.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+    QUEUED.store(true, Ordering::Release);
+    if !SCHEDULED.swap(true, Ordering::AcqRel) {
+        // SAFETY: Py_AddPendingCall may be called from any thread without the GIL; the callback
+        // is a plain function that runs with the GIL held.
+        if unsafe { ffi::Py_AddPendingCall(Some(drain_pending), std::ptr::null_mut()) } != 0 {
+            // CPython's pending-call queue is full: the next entry point drains ours instead.
+            SCHEDULED.store(false, Ordering::Release);
+        }
+    }
+}
+
+extern "C" fn drain_pending(_arg: *mut c_void) -> c_int {
+    SCHEDULED.store(false, Ordering::Release);
+    // SAFETY: CPython runs pending calls with the GIL held.
+    unsafe { drain() };
+    0
+}
+
+/// Releases everything queued.
+///
+/// # Safety
+///
+/// The GIL is held.
+unsafe fn drain() {
+    if !QUEUED.swap(false, Ordering::AcqRel) {
+        return;
+    }
+    // Taken out first, so no lock is held while Python code (a __del__) runs.
+    let items = std::mem::take(&mut *QUEUE.lock().unwrap_or_else(|e| e.into_inner()));
+    for p in items {
+        // SAFETY: the caller's promise.
+        unsafe { p.release() };
+    }
+}
+
+/// Releases what drops on threads without the GIL left queued; one relaxed load when nothing is.
+/// Called by dlbridge's entry points.
+#[inline]
+pub(crate) fn drain_queued(_py: Python<'_>) {
+    if QUEUED.load(Ordering::Relaxed) {
+        // SAFETY: `Python` proves the GIL is held.
+        unsafe { drain() }
+    }
+}
+
+/// Releases a strong reference: at once with the GIL, else queued (never blocks).
+///
+/// # Safety
+///
+/// `obj` is a strong reference the caller owns and gives up.
+pub(crate) unsafe fn release_object(obj: NonNull<ffi::PyObject>) {
+    release_or_queue(Pending::Object(obj));
+}
+
+/// A buffer-protocol view held until drop: filled in place on the heap, so exporters that point
+/// `shape` or `strides` into the `Py_buffer` itself (`PyBuffer_FillInfo` sets `shape = &len`) stay
+/// valid for as long as it is held; released with [`PyBuffer_Release`](ffi::PyBuffer_Release) at
+/// once with the GIL, else queued (never blocks). The one way dlbridge takes a buffer view.
+pub(crate) struct HeldBuffer(NonNull<ffi::Py_buffer>);
+
+// SAFETY: the view is only read (plain fields) and released with the GIL (queued otherwise).
+unsafe impl Send for HeldBuffer {}
+// SAFETY: shared access only reads the plain fields of the filled view.
+unsafe impl Sync for HeldBuffer {}
+
+impl HeldBuffer {
+    /// `PyObject_GetBuffer(obj, flags)` into a new heap view; the exporter's error on failure.
+    pub(crate) fn get(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<Self> {
+        let view = Box::into_raw(Box::new(MaybeUninit::<ffi::Py_buffer>::zeroed())).cast::<ffi::Py_buffer>();
+        // SAFETY: a zeroed view for the exporter to fill, at its final address.
+        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view, flags) } != 0 {
+            // SAFETY: not filled, so nothing to release: just the box.
+            drop(unsafe { Box::from_raw(view.cast::<MaybeUninit<ffi::Py_buffer>>()) });
+            return Err(PyErr::fetch(obj.py()));
+        }
+        // SAFETY: non-NULL (a box).
+        Ok(Self(unsafe { NonNull::new_unchecked(view) }))
+    }
+
+    /// The filled view.
+    pub(crate) fn view(&self) -> &ffi::Py_buffer {
+        // SAFETY: filled by a successful GetBuffer and not released before drop.
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl Drop for HeldBuffer {
+    fn drop(&mut self) {
+        release_or_queue(Pending::Buffer(self.0));
+    }
+}

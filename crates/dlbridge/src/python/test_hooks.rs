@@ -1,0 +1,173 @@
+//! Test-only hooks (feature `test-hooks`, which `make test` turns on and no wheel does): entry
+//! points the shipped Python tests use to reach what no public API shows, and a hostile buffer
+//! exporter no real library would be. Never part of what users install.
+
+use pyo3::prelude::*;
+
+use super::import::{ImportOptions, from_dlpack_with};
+use super::view::TensorView;
+
+/// Adds the hooks to `m`.
+pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
+    m.add_function(wrap_pyfunction!(_drop_while_caller_holds_the_gil, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
+    m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
+    m.add_function(wrap_pyfunction!(_view, m)?)?;
+    m.add_function(wrap_pyfunction!(_view_then, m)?)?;
+    m.add_function(wrap_pyfunction!(_view_deref, m)?)?;
+    m.add_function(wrap_pyfunction!(_view_add, m)?)?;
+    m.add_function(wrap_pyfunction!(_view_twice, m)?)?;
+    m.add_class::<HostileBuffer>()?;
+    Ok(())
+}
+
+/// Whether a CUDA driver could be loaded in this process (tests use it to pick expectations).
+#[pyfunction]
+fn _cuda_driver_available() -> bool {
+    crate::cuda::Driver::get().is_ok()
+}
+
+/// Whether the verified numpy struct fast path is on in this process (tests and benchmarks).
+#[pyfunction]
+fn _numpy_fast_path() -> bool {
+    super::numpy::fast_path_enabled()
+}
+
+/// What the view test hooks return: `(data_ptr, shape, strides, dtype name, readonly)`.
+type ViewSeen = (usize, Vec<i64>, Vec<i64>, String, bool);
+
+/// Test hook: what a borrowed [`TensorView`] of `x` sees, as
+/// `(data_ptr, shape, strides, dtype name, readonly)`.
+#[pyfunction]
+fn _view(x: TensorView<'_>) -> ViewSeen {
+    (x.data_ptr() as usize, x.shape().to_vec(), x.strides().to_vec(), x.dtype().to_string(), x.is_read_only())
+}
+
+/// Test hook: borrows `x` as a [`TensorView`], calls `f()` (Python code that may change `x`'s
+/// metadata in place), then returns what the view sees, as [`_view`] does.
+#[pyfunction]
+fn _view_then(x: TensorView<'_>, f: &Bound<'_, PyAny>) -> PyResult<ViewSeen> {
+    f.call0()?;
+    Ok(_view(x))
+}
+
+/// Test hook: what `x`'s `ManagedTensor` sees through `Deref`, as [`_view`] does, with its
+/// description.
+#[pyfunction]
+fn _view_deref(x: TensorView<'_>) -> (ViewSeen, String) {
+    let m: &crate::ManagedTensor = &x;
+    let seen = (
+        m.data_ptr() as usize,
+        m.shape().to_vec(),
+        m.strides().to_vec(),
+        m.dtype().to_string(),
+        m.is_read_only(),
+    );
+    (seen, m.describe())
+}
+
+/// Test hook: adds `delta` to every element of a C-contiguous float64 view in place (through
+/// `as_slice_mut`), then returns the sum `as_slice` reads.
+#[pyfunction]
+fn _view_add(mut x: TensorView<'_>, delta: f64) -> PyResult<f64> {
+    x.as_slice_mut::<f64>()?.iter_mut().for_each(|v| *v += delta);
+    Ok(x.as_slice::<f64>()?.iter().sum())
+}
+
+/// Test hook: imports `x`, then drops the imported tensor on a new native thread that never held
+/// the GIL, while this thread has released it. The producer's deleter must cope (take the GIL
+/// itself); the test checks it ran.
+#[pyfunction]
+fn _drop_on_native_thread(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    let t = from_dlpack_with(x, &ImportOptions::default())?;
+    py.detach(move || std::thread::spawn(move || drop(t)).join())
+        .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the native thread panicked"))
+}
+
+/// Test hook: a buffer exporter that reports whatever metadata it is given (shape, strides,
+/// itemsize, format, len), over a small internal buffer, so the hostile-input tests can hand dlbridge
+/// inconsistent buffer views no real exporter produces. dlbridge must refuse them before reading.
+#[pyclass(name = "_HostileBuffer", module = "dlbridge", frozen)]
+struct HostileBuffer {
+    data: Vec<u8>,
+    shape: Vec<isize>,
+    strides: Vec<isize>,
+    itemsize: isize,
+    format: std::ffi::CString,
+    len: isize,
+}
+
+#[pymethods]
+impl HostileBuffer {
+    #[new]
+    #[pyo3(signature = (*, shape, strides, itemsize, format, length))]
+    fn new(
+        shape: Vec<isize>,
+        strides: Vec<isize>,
+        itemsize: isize,
+        format: &str,
+        length: isize,
+    ) -> PyResult<Self> {
+        let format = std::ffi::CString::new(format)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+        // Backed by at least `length` bytes, so a view that is consistent is also in bounds.
+        let data = vec![0; usize::try_from(length).unwrap_or(0).max(64)];
+        Ok(Self { data, shape, strides, itemsize, format, len: length })
+    }
+
+    unsafe fn __getbuffer__(
+        slf: PyRef<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        _flags: std::ffi::c_int,
+    ) -> PyResult<()> {
+        let (buf, shape, strides) = (slf.data.as_ptr(), slf.shape.as_ptr(), slf.strides.as_ptr());
+        let (len, itemsize, ndim, format) = (slf.len, slf.itemsize, slf.shape.len(), slf.format.as_ptr());
+        // SAFETY: filling the consumer's view; the arrays live as long as this frozen object, which
+        // the view references.
+        unsafe {
+            let v = &mut *view;
+            v.obj = slf.into_ptr();
+            v.buf = buf.cast_mut().cast();
+            v.len = len;
+            v.readonly = 1;
+            v.itemsize = itemsize;
+            v.format = format.cast_mut();
+            v.ndim = ndim as std::ffi::c_int;
+            v.shape = shape.cast_mut();
+            v.strides = strides.cast_mut();
+            v.suboffsets = std::ptr::null_mut();
+            v.internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+}
+
+/// Test hook: imports `x`, then drops the imported tensor on a scoped worker thread while this
+/// thread keeps holding the GIL and waits for the worker (rayon without `detach`): a deleter that
+/// waited for the GIL would deadlock here. Returns after the worker finished.
+#[pyfunction]
+fn _drop_while_caller_holds_the_gil(x: &Bound<'_, PyAny>) -> PyResult<()> {
+    let t = from_dlpack_with(x, &ImportOptions::default())?;
+    std::thread::scope(|s| s.spawn(move || drop(t)).join())
+        .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the worker thread panicked"))
+}
+
+/// Test hook: `f(x, x)` for a function taking two views: writes `value` into every float64 of `b`
+/// through a mutable slice while a shared slice of `a` is alive, as a kernel given the same array
+/// twice would. Returns what happened to the write (the borrow error's message, or "written").
+#[pyfunction]
+fn _view_twice(a: TensorView<'_>, mut b: TensorView<'_>, value: f64) -> PyResult<String> {
+    let r = a.as_slice::<f64>()?;
+    let outcome = match b.as_slice_mut::<f64>() {
+        Ok(mut w) => {
+            w.iter_mut().for_each(|v| *v = value);
+            "written".to_string()
+        }
+        Err(e) => e.to_string(),
+    };
+    drop(r);
+    Ok(outcome)
+}
