@@ -12,7 +12,7 @@ MATURIN := VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin
 # One interpreter for every build (cargo and maturin), so pyo3 is configured once.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: demo demo-abi test lint rust-test docs valgrind valgrind-python develop py-test stubs bench fuzz soak clean
+.PHONY: demo demo-abi test lint rust-test miri hooks-absent docs valgrind valgrind-python develop py-test stubs bench fuzz soak clean
 
 demo: develop
 	cd /tmp && $(PY) $(CURDIR)/examples/demo.py
@@ -21,7 +21,7 @@ demo: develop
 demo-abi:
 	$(CARGO) run --quiet --example demo
 
-test: lint rust-test docs valgrind py-test stubs
+test: lint rust-test miri docs valgrind py-test stubs hooks-absent
 
 $(STAMP): python/requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,22 @@ lint: $(STAMP)
 
 rust-test: $(STAMP)
 	$(CARGO) test --workspace --all-features
+
+# Miri (default Stacked Borrows) over the crate's core: every unit, integration and doc test of
+# everything that does not call into libpython (managed, export, view, layout, ndarray, dtype,
+# interface, borrow). Isolation is off only so proptest can read its files; case counts lowered.
+miri:
+	@rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^miri' \
+	  || rustup component add --toolchain nightly miri rust-src
+	PROPTEST_CASES=8 MIRIFLAGS="-Zmiri-disable-isolation" $(CARGO) +nightly miri test -p dlbridge --features ndarray
+
+# What users install carries no test hooks: the extension built without the test-hooks feature
+# (as every wheel is) must not contain them.
+hooks-absent: $(STAMP)
+	$(CARGO) build --quiet -p dlbridge-python
+	@if grep -q -a -e _HostileBuffer -e _view_then -e _drop_on_native_thread target/debug/lib_dlbridge.so; then \
+	  echo "test hooks found in a build without the test-hooks feature"; exit 1; fi
+	@echo "no test hooks in a build without the test-hooks feature"
 
 docs: $(STAMP)
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --all-features

@@ -12,14 +12,6 @@ __all__ = [
     "DeviceType",
     "from_dlpack",
     "asdlpack",
-    "_drop_on_native_thread",
-    "_cuda_driver_available",
-    "_numpy_fast_path",
-    "_view",
-    "_view_then",
-    "_view_deref",
-    "_view_add",
-    "_HostileBuffer",
     "__dlpack_version__",
     "int8",
     "int16",
@@ -190,18 +182,3 @@ float6_e2m3fn: Final[DType]
 float6_e3m2fn: Final[DType]
 float4_e2m1fn: Final[DType]
 float4_e2m1fn_x2: Final[DType]
-
-def _drop_on_native_thread(x: Any) -> None: ...
-def _cuda_driver_available() -> builtins.bool: ...
-def _numpy_fast_path() -> builtins.bool: ...
-@final
-class _HostileBuffer:
-    def __new__(cls, *, shape: list[int], strides: list[int], itemsize: int, format: str, length: int) -> _HostileBuffer: ...
-    if sys.version_info >= (3, 12):
-        def __buffer__(self, flags: int, /) -> memoryview: ...
-        def __release_buffer__(self, buffer: memoryview, /) -> None: ...
-
-def _view(x: Any) -> tuple[int, list[int], list[int], str, builtins.bool]: ...
-def _view_then(x: Any, f: Callable[[], object]) -> tuple[int, list[int], list[int], str, builtins.bool]: ...
-def _view_deref(x: Any) -> tuple[tuple[int, list[int], list[int], str, builtins.bool], str]: ...
-def _view_add(x: Any, delta: builtins.float) -> builtins.float: ...

@@ -36,7 +36,7 @@ fn torch_table(x: &Bound<'_, PyAny>) -> PyResult<dlbridge::python::ExchangeApi> 
 #[pyfunction]
 fn torch_floor_owned(x: &Bound<'_, PyAny>) -> PyResult<usize> {
     let api = torch_table(x)?;
-    let f = api.0.managed_tensor_from_py_object_no_sync.expect("checked");
+    let f = api.table().managed_tensor_from_py_object_no_sync.expect("checked");
     let mut out = std::ptr::null_mut();
     // SAFETY: a torch tensor, the GIL held, a writable out-pointer.
     assert_eq!(unsafe { f(x.as_ptr().cast(), &mut out) }, 0);
@@ -52,7 +52,7 @@ fn torch_floor_owned(x: &Bound<'_, PyAny>) -> PyResult<usize> {
 #[pyfunction]
 fn torch_floor_view(x: &Bound<'_, PyAny>) -> PyResult<usize> {
     let api = torch_table(x)?;
-    let f = api.0.dltensor_from_py_object_no_sync.expect("torch has it");
+    let f = api.table().dltensor_from_py_object_no_sync.expect("torch has it");
     let mut t = std::mem::MaybeUninit::<dlbridge::ffi::DLTensor>::zeroed();
     // SAFETY: a torch tensor, the GIL held, a writable DLTensor.
     assert_eq!(unsafe { f(x.as_ptr().cast(), t.as_mut_ptr()) }, 0);

@@ -37,7 +37,7 @@ fn two_mutable_slices_of_one_buffer_are_refused() {
 
 #[test]
 fn a_mutable_and_a_shared_borrow_are_refused_either_way_round() {
-    let (_t, mut a, mut b) = twice(vec![0.0; 4]);
+    let (_t, mut a, b) = twice(vec![0.0; 4]);
     let r = b.as_slice::<f64>().unwrap();
     assert!(borrowed(a.as_slice_mut::<f64>()));
     // A shared read beside a shared slice is fine.

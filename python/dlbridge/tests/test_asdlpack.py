@@ -323,6 +323,7 @@ def test_nothing_to_wrap() -> None:
 
 # --- CUDA array interface: fake producers (no GPU here; pointers are never dereferenced) -------
 
+@pytest.mark.hooks
 def test_cuda_pointer_without_a_driver_needs_device_id() -> None:
     from dlbridge._dlbridge import _cuda_driver_available
     if _cuda_driver_available():
@@ -350,6 +351,7 @@ def test_cuda_metadata_with_explicit_device(version: int) -> None:
         t.__dlpack__(max_version=(1, 3), dl_device=(1, 0))
 
 
+@pytest.mark.hooks
 def test_cuda_read_only_flag_and_stream_rules() -> None:
     t = dlbridge.asdlpack(FakeCudaArray(data=(0x7F00_0000_0000, True)), device_id=0)
     assert t.readonly and read_capsule(t.__dlpack__(max_version=(1, 0), stream=-1)).flags & READ_ONLY

@@ -82,6 +82,18 @@ def test_exchange_borrowed_dltensor() -> None:
     assert [d.strides[i] for i in range(2)] == [4, -2]
 
 
+def test_exchange_borrowed_dltensor_refuses_read_only_tensors() -> None:
+    # A borrowed DLTensor has no flags: a consumer (another extension embedding dlbridge, say)
+    # would take the memory as writable. The owning function carries READ_ONLY instead.
+    ro = dlbridge.asdlpack(b"abc")
+    with pytest.raises(BufferError, match="read-only"):
+        dlbridge_table().dltensor_from_py_object_no_sync(ro, ctypes.byref(DLTensor()))
+    out = ManagedPtr()
+    assert dlbridge_table().managed_tensor_from_py_object_no_sync(ro, ctypes.byref(out)) == 0
+    assert out.contents.flags & 1  # READ_ONLY
+    out.contents.deleter(out)
+
+
 def test_exchange_allocator_and_stream() -> None:
     api = dlbridge_table()
     shape = (ctypes.c_int64 * 2)(3, 5)
@@ -132,6 +144,7 @@ def test_tvm_ffi_imports_a_tensor_through_the_exchange_table(monkeypatch) -> Non
     assert dlbridge.from_dlpack(x).data_ptr == a.ctypes.data
 
 
+@pytest.mark.hooks
 def test_a_table_without_the_borrowed_function_from_tvm_ffi(monkeypatch) -> None:
     # tvm-ffi's DLTensorTestWrapper publishes a table whose dltensor_from_py_object_no_sync is
     # NULL: the owned import and the view must both still see the same memory.
@@ -145,6 +158,7 @@ def test_a_table_without_the_borrowed_function_from_tvm_ffi(monkeypatch) -> None
     assert _dlbridge._view(w) == (a.ctypes.data, [3, 4], [4, 1], "int32", False)
 
 
+@pytest.mark.hooks
 def test_torch_exchange_table_is_consumed_with_the_same_result() -> None:
     torch = need("torch")
     x = torch.arange(10, dtype=torch.float32)[::2]
@@ -156,6 +170,7 @@ def test_torch_exchange_table_is_consumed_with_the_same_result() -> None:
     assert _dlbridge._view(x) == (x.data_ptr(), [5], [2], "float32", False)
 
 
+@pytest.mark.hooks
 @pytest.mark.parametrize("shape", [(), (7,), (2, 3, 4, 5), (1,) * 8, (2,) * 9])
 def test_torch_views_copy_every_rank(shape) -> None:
     # Up to 8 dimensions the view copies the dims inline; 0 and 9 take the checked copy.
@@ -206,6 +221,7 @@ def test_unusable_exchange_tables_are_ignored(major: int, nulls: bool) -> None:
     assert t.data_ptr == a.ctypes.data
 
 
+@pytest.mark.hooks
 def test_numpy_fast_path_matches_the_dlpack_path() -> None:
     np = need("numpy")
     cases = [np.arange(24, dtype=np.float64).reshape(2, 3, 4)[:, ::-1, 1::2], np.array(5, dtype=np.int8),
@@ -231,6 +247,7 @@ def test_numpy_refusals_are_numpy_s_own() -> None:
         dlbridge.from_dlpack(np.arange(3, dtype=">i4"))
 
 
+@pytest.mark.hooks
 def test_borrowed_view_of_buffers_and_dlbridge_tensors() -> None:
     np = need("numpy")
     b = bytearray(8)
@@ -240,6 +257,7 @@ def test_borrowed_view_of_buffers_and_dlbridge_tensors() -> None:
     assert _dlbridge._view(t) == (t.data_ptr, [3, 2], [1, 3], "float64", False)
 
 
+@pytest.mark.hooks
 def test_an_unreadable_first_numpy_array_does_not_turn_the_fast_path_off() -> None:
     import subprocess
     import sys
@@ -264,6 +282,7 @@ def test_integer_form_tables_that_cannot_be_tables_are_ignored(address) -> None:
     assert dlbridge.from_dlpack(cls(a)).data_ptr == a.ctypes.data
 
 
+@pytest.mark.hooks
 def test_torch_lazy_conjugates_are_refused_not_misread() -> None:
     """torch's exchange table exports a lazily conjugated tensor as if its memory held the result
     (torch's own __dlpack__ refuses it): dlbridge refuses it on every path, naming the bit."""
@@ -280,6 +299,7 @@ def test_torch_lazy_conjugates_are_refused_not_misread() -> None:
     assert np.from_dlpack(resolved).tolist() == [1 - 2j, 3 - 4j]
 
 
+@pytest.mark.hooks
 def test_torch_tensors_that_require_grad_are_exported_by_the_exchange_table() -> None:
     """torch's __dlpack__ refuses tensors that require grad; its exchange table (what dlbridge uses
     for host tensors) exports them. dlbridge keeps the table's behaviour: the data is what it is."""
@@ -306,6 +326,7 @@ def _view_sources():
     return out
 
 
+@pytest.mark.hooks
 @pytest.mark.parametrize("name,make", _view_sources(), ids=[n for n, _ in _view_sources()])
 def test_a_view_and_its_managed_tensor_agree_for_every_source(name, make) -> None:
     # What the view reports, what its ManagedTensor (through Deref) reports, and what numpy
@@ -325,6 +346,7 @@ def test_a_view_and_its_managed_tensor_agree_for_every_source(name, make) -> Non
     assert seen[3] == "float64" and seen[4] is False
 
 
+@pytest.mark.hooks
 def test_typed_access_through_a_view_writes_the_source() -> None:
     np = need("numpy")
     a = np.arange(4.0)
@@ -337,6 +359,7 @@ def test_typed_access_through_a_view_writes_the_source() -> None:
     assert _dlbridge._view_add(t, 0.5) == 4.5
 
 
+@pytest.mark.hooks
 def test_typed_access_through_a_view_refuses_what_it_must() -> None:
     np = need("numpy")
     r = np.arange(4.0)
@@ -350,6 +373,7 @@ def test_typed_access_through_a_view_refuses_what_it_must() -> None:
         _dlbridge._view_add(np.arange(4, dtype=np.float32), 1.0)
 
 
+@pytest.mark.hooks
 def test_a_view_keeps_its_shape_when_python_reshapes_the_source_during_the_call() -> None:
     np = need("numpy")
     a = np.arange(6.0)

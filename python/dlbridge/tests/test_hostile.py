@@ -189,6 +189,7 @@ def test_dlpack_device_raising_surfaces() -> None:
         dlbridge.from_dlpack(JunkDevice(RuntimeError("device query failed")))
 
 
+@pytest.mark.hooks
 def test_hostile_buffer_exporters() -> None:
     from dlbridge._dlbridge import _HostileBuffer
 
@@ -208,6 +209,7 @@ def test_hostile_buffer_exporters() -> None:
     assert ok.shape == (2, 2) and str(ok.dtype) == "int32"
 
 
+@pytest.mark.hooks
 def test_hostile_buffer_exporters_are_refused_by_the_borrowed_view_too() -> None:
     from dlbridge._dlbridge import _HostileBuffer, _view
 

@@ -73,6 +73,7 @@ def test_buffer_view_released_when_numpy_drops_the_last_array(np) -> None:
     assert len(ba) == 9
 
 
+@pytest.mark.hooks
 def test_deleter_runs_when_dropped_on_a_native_thread(np) -> None:
     a = np.arange(10.0)
     gone = weakref.ref(a)
@@ -82,6 +83,7 @@ def test_deleter_runs_when_dropped_on_a_native_thread(np) -> None:
     assert gone() is None
 
 
+@pytest.mark.hooks
 def test_torch_deleter_on_a_native_thread() -> None:
     torch = need("torch")
     x = torch.arange(10.0)

@@ -10,6 +10,8 @@ import sys
 import threading
 import weakref
 
+import pytest
+
 import dlbridge
 
 from ._dlpack_ctypes import FakeCapsule
@@ -82,6 +84,7 @@ def test_one_capsule_raced_by_eight_threads_is_consumed_exactly_once() -> None:
         assert fake.deleted == 1
 
 
+@pytest.mark.hooks
 def test_drops_on_native_threads_from_many_python_threads() -> None:
     np = need("numpy")
     torch = need("torch")

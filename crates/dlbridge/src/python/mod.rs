@@ -12,7 +12,7 @@
 //! /// Doubles every float32 of a host tensor from any library, in place.
 //! #[pyfunction]
 //! fn double(mut t: ManagedTensor) -> PyResult<ManagedTensor> {
-//!     for x in t.as_slice_mut::<f32>()? {
+//!     for x in t.as_slice_mut::<f32>()?.iter_mut() {
 //!         *x *= 2.0;
 //!     }
 //!     Ok(t)

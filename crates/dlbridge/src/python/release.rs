@@ -72,8 +72,8 @@ fn release_or_queue(p: Pending) {
     }
     // SAFETY: reads a runtime flag; callable without the GIL.
     if unsafe { ffi::Py_IsInitialized() } == 0 {
-        // The interpreter is gone: leak rather than crash.
-        std::mem::forget(p);
+        // The interpreter is gone: leak rather than crash (a `Pending` releases nothing by itself).
+        let _leaked = p;
         return;
     }
     QUEUE.lock().unwrap_or_else(|e| e.into_inner()).push(p);

@@ -19,6 +19,16 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_view_add, m)?)?;
     m.add_function(wrap_pyfunction!(_view_twice, m)?)?;
     m.add_class::<HostileBuffer>()?;
+    // PyO3 lists every added function in `__all__`; hooks are private, so take them out again.
+    let all = m.index()?;
+    let public: Vec<String> = all
+        .iter()
+        .map(|n| n.extract::<String>())
+        .collect::<PyResult<Vec<_>>>()?
+        .into_iter()
+        .filter(|n| !n.starts_with('_'))
+        .collect();
+    m.setattr("__all__", pyo3::types::PyList::new(m.py(), public)?)?;
     Ok(())
 }
 
@@ -145,12 +155,13 @@ impl HostileBuffer {
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }
 
-/// Test hook: imports `x`, then drops the imported tensor on a scoped worker thread while this
-/// thread keeps holding the GIL and waits for the worker (rayon without `detach`): a deleter that
-/// waited for the GIL would deadlock here. Returns after the worker finished.
+/// Test hook: takes `x` as `asdlpack` does (a DLPack import, or a buffer view held), then drops
+/// the tensor on a scoped worker thread while this thread keeps holding the GIL and waits for the
+/// worker (rayon without `detach`): a deleter that waited for the GIL would deadlock here.
+/// Returns after the worker finished.
 #[pyfunction]
 fn _drop_while_caller_holds_the_gil(x: &Bound<'_, PyAny>) -> PyResult<()> {
-    let t = from_dlpack_with(x, &ImportOptions::default())?;
+    let t = super::protocols::asdlpack_with(x, None)?.tensor;
     std::thread::scope(|s| s.spawn(move || drop(t)).join())
         .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the worker thread panicked"))
 }
