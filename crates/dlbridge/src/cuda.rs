@@ -3,9 +3,18 @@
 //! for another. On a machine without a driver every call returns an error that says so.
 //!
 //! ```
+//! # if cfg!(miri) { return; } // Miri cannot call dlopen (foreign code)
 //! match dlbridge::cuda::Driver::get() {
 //!     Ok(_) => println!("a CUDA driver is present"),
 //!     Err(e) => assert!(e.contains("libcuda")),
+//! }
+//! ```
+//!
+//! Stream handles cannot be checked, so making one stream wait for another is `unsafe`:
+//!
+//! ```compile_fail,E0133
+//! if let Ok(d) = dlbridge::cuda::Driver::get() {
+//!     d.stream_wait(0, 0xdead_beef, 1).unwrap(); // E0133: call to unsafe function
 //! }
 //! ```
 
