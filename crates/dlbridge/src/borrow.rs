@@ -71,8 +71,9 @@ use crate::error::{Error, Result};
 pub struct RegistryApi {
     /// [`RegistryApi::VERSION`].
     pub version: u64,
-    /// Registers `[lo, hi)`: returns 0 on success, 1 when it conflicts with a live lease (then
-    /// nothing is registered).
+    /// Registers `[lo, hi)`: returns 0 on success, 1 when it conflicts with a live lease, 2 when
+    /// the caller should ask its active registry again (this copy just joined another's); nothing
+    /// is registered unless it returns 0.
     pub acquire: unsafe extern "C" fn(lo: usize, hi: usize, exclusive: c_int) -> c_int,
     /// Removes one lease registered with exactly these arguments.
     pub release: unsafe extern "C" fn(lo: usize, hi: usize, exclusive: c_int),
@@ -104,6 +105,12 @@ fn leases() -> std::sync::MutexGuard<'static, Vec<Entry>> {
 unsafe extern "C" fn local_acquire(lo: usize, hi: usize, exclusive: c_int) -> c_int {
     let exclusive = exclusive != 0;
     let mut l = leases();
+    // This copy switched to another registry after the caller read `ACTIVE` (the switch happens
+    // under this lock): register there instead, so no lease lands in a registry nobody checks.
+    let active = ACTIVE.load(Ordering::Acquire);
+    if !active.is_null() && !std::ptr::eq(active, &LOCAL) {
+        return 2;
+    }
     if l.iter().any(|e| e.lo < hi && lo < e.hi && (exclusive || e.exclusive)) {
         return 1;
     }
@@ -136,15 +143,23 @@ fn active() -> &'static RegistryApi {
     }
 }
 
-/// Makes this copy of the crate register its leases in `api` from now on (leases already held
-/// are released where they were taken).
+/// Makes this copy of the crate register its leases in `api` from now on, if it holds none in its
+/// own registry (then every lease it ever takes is checked against the shared ones); returns
+/// whether it switched. The switch happens under the own registry's lock, so no lease can slip
+/// into it meanwhile.
 ///
 /// # Safety
 ///
 /// `api` is a table of [`RegistryApi::VERSION`] whose functions behave as documented and live for
 /// the rest of the process (another copy of this crate's [`LOCAL`]).
-pub unsafe fn use_shared(api: &'static RegistryApi) {
+pub unsafe fn use_shared(api: &'static RegistryApi) -> bool {
+    let l = leases();
+    if !l.is_empty() {
+        return false;
+    }
     ACTIVE.store(std::ptr::from_ref(api).cast_mut(), Ordering::Release);
+    drop(l);
+    true
 }
 
 /// A registered byte range; released on drop. Holding one is what makes a typed slice or view of
@@ -168,14 +183,22 @@ impl Lease {
     /// Registers the byte range `[lo, hi)`, shared or exclusive. An empty range registers nothing
     /// and always succeeds (no memory is reached).
     pub(crate) fn acquire(lo: usize, hi: usize, exclusive: bool) -> Result<Self> {
-        let api = active();
-        if lo < hi {
-            // SAFETY: a table of the expected version (LOCAL, or one `use_shared` was promised).
-            if unsafe { (api.acquire)(lo, hi, c_int::from(exclusive)) } != 0 {
-                return Err(Error::AlreadyBorrowed { start: lo, end: hi, exclusive });
+        // A copy embedded in a Python extension joins the process's shared registry the first
+        // time it runs with the GIL (every entry point from Python also does).
+        #[cfg(feature = "python")]
+        crate::python::join_if_attached();
+        loop {
+            let api = active();
+            if lo < hi {
+                // SAFETY: a table of the expected version (LOCAL, or one `use_shared` was promised).
+                match unsafe { (api.acquire)(lo, hi, c_int::from(exclusive)) } {
+                    0 => {}
+                    2 => continue,
+                    _ => return Err(Error::AlreadyBorrowed { start: lo, end: hi, exclusive }),
+                }
             }
+            return Ok(Self { api, lo, hi, exclusive });
         }
-        Ok(Self { api, lo, hi, exclusive })
     }
 }
 

@@ -6,12 +6,15 @@
 pub(crate) const INLINE: usize = 8;
 
 /// A shape followed by its strides (`2 * ndim` values).
+// The readers serve the Python layer (and the tests).
+#[cfg_attr(not(any(feature = "python", test)), allow(dead_code))]
 pub(crate) struct Dims {
     ndim: usize,
     inline: [i64; 2 * INLINE],
     heap: Vec<i64>,
 }
 
+#[cfg_attr(not(any(feature = "python", test)), allow(dead_code))]
 impl Dims {
     /// No dimensions.
     pub(crate) const fn new() -> Self {

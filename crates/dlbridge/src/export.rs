@@ -38,8 +38,9 @@ pub const ALIGNMENT: usize = 256;
 /// # Safety
 ///
 /// `as_mut_ptr` returns a pointer, valid for reads (and writes unless `is_read_only`) of
-/// `elem_count` elements, that stays the same when the buffer is moved and stays valid until it
-/// is dropped; nothing else accesses that memory while the buffer is exported.
+/// `elem_count` elements, that stays valid until the buffer is dropped or moved (dlbridge calls it
+/// once the buffer is in its final place, and never moves it again while exported); nothing else
+/// accesses that memory while the buffer is exported.
 pub unsafe trait HostBuffer: Send + 'static {
     /// The element type.
     type Elem: Element;
@@ -64,7 +65,8 @@ unsafe impl<T: Element> HostBuffer for Vec<T> {
     }
 }
 
-// SAFETY: as for Vec.
+// SAFETY: the box's heap buffer lives until it drops; the pointer is taken after the box is in
+// its final place (a move retags a `Box`, so a pointer taken before one would be invalidated).
 unsafe impl<T: Element> HostBuffer for Box<[T]> {
     type Elem = T;
     fn as_mut_ptr(&mut self) -> *mut T {
@@ -247,8 +249,9 @@ impl Parts<'_> {
 }
 
 /// Allocates one [`Exported`] and fills it in place (a 200-byte struct built on the stack and
-/// then moved into its box costs a `memcpy` per export): dims first, then the head made by
-/// `head(dl_tensor, manager_ctx)` pointing into them, then the owner.
+/// then moved into its box costs a `memcpy` per export): dims first, then the owner, then the head
+/// made by `head(dl_tensor, manager_ctx)` pointing into the dims, its data taken from the placed
+/// owner by `data`.
 ///
 /// The box becomes a raw pointer before anything points into it, and every later access goes
 /// through that pointer: `Box::into_raw` after the dims pointers were taken would retag the whole
@@ -256,6 +259,7 @@ impl Parts<'_> {
 fn new_exported<H, O>(
     parts: &Parts<'_>,
     owner: O,
+    data: impl FnOnce(&mut O) -> *mut c_void,
     head: impl FnOnce(DLTensor, *mut c_void) -> H,
 ) -> NonNull<H> {
     let p: *mut Exported<H, O> = Box::into_raw(Box::<Exported<H, O>>::new_uninit()).cast();
@@ -267,8 +271,12 @@ fn new_exported<H, O>(
         dims.write(Dims::new());
         (*dims).set(parts.shape, parts.strides);
         let (shape, strides) = Dims::pointers(dims);
-        std::ptr::addr_of_mut!((*p).head).write(head(parts.dl_tensor(shape, strides), p.cast()));
-        std::ptr::addr_of_mut!((*p).owner).write(owner);
+        // The owner is moved to its final place before the data pointer is taken from it: moving
+        // a `Box<[T]>` retags it, which would invalidate a pointer taken before the move.
+        let owner_at = std::ptr::addr_of_mut!((*p).owner);
+        owner_at.write(owner);
+        let t = DLTensor { data: data(&mut *owner_at), ..parts.dl_tensor(shape, strides) };
+        std::ptr::addr_of_mut!((*p).head).write(head(t, p.cast()));
         NonNull::new_unchecked(p.cast::<H>())
     }
 }
@@ -279,7 +287,17 @@ pub(crate) fn export_versioned<O: Send + 'static>(
     flags: Flags,
     owner: O,
 ) -> NonNull<DLManagedTensorVersioned> {
-    new_exported(&parts, owner, |dl_tensor, manager_ctx| DLManagedTensorVersioned {
+    export_versioned_from(parts, flags, owner, |_| parts.data)
+}
+
+/// [`export_versioned`] whose data pointer is taken from the owner once it is in place.
+fn export_versioned_from<O: Send + 'static>(
+    parts: Parts<'_>,
+    flags: Flags,
+    owner: O,
+    data: impl FnOnce(&mut O) -> *mut c_void,
+) -> NonNull<DLManagedTensorVersioned> {
+    new_exported(&parts, owner, data, |dl_tensor, manager_ctx| DLManagedTensorVersioned {
         version: Version::CURRENT.to_raw(),
         manager_ctx,
         deleter: Some(delete_versioned::<O>),
@@ -290,11 +308,16 @@ pub(crate) fn export_versioned<O: Send + 'static>(
 
 /// A new legacy managed tensor owning `owner`; the caller owns the result.
 pub(crate) fn export_legacy<O: Send + 'static>(parts: Parts<'_>, owner: O) -> NonNull<DLManagedTensor> {
-    new_exported(&parts, owner, |dl_tensor, manager_ctx| DLManagedTensor {
-        dl_tensor,
-        manager_ctx,
-        deleter: Some(delete_legacy::<O>),
-    })
+    new_exported(
+        &parts,
+        owner,
+        |_| parts.data,
+        |dl_tensor, manager_ctx| DLManagedTensor {
+            dl_tensor,
+            manager_ctx,
+            deleter: Some(delete_legacy::<O>),
+        },
+    )
 }
 
 fn to_i64(v: &[usize], field: &str) -> Result<Vec<i64>> {
@@ -386,7 +409,7 @@ impl ManagedTensor {
     /// Checks that `shape`/`strides` starting `first_byte` bytes into `buf` stay inside it, then
     /// exports. Data pointer = first element, byte_offset 0 (old consumers ignored byte_offset).
     fn export_host<B: HostBuffer>(
-        mut buf: B,
+        buf: B,
         dtype: DataType,
         shape: &[i64],
         strides: &[i64],
@@ -421,9 +444,11 @@ impl ManagedTensor {
         // Elements that may share memory cannot be written soundly through a Rust reference.
         let overlapping = numel > 1 && layout::may_overlap(shape, strides);
         let flags = Flags::NONE.with(Flags::READ_ONLY, buf.is_read_only() || overlapping);
-        let data = buf.as_mut_ptr().cast::<u8>().wrapping_add(first_byte as usize).cast::<c_void>();
-        let parts = Parts { data, device: Device::CPU, dtype, shape, strides, byte_offset: 0 };
-        let raw = export_versioned(parts, flags, buf);
+        let parts =
+            Parts { data: std::ptr::null_mut(), device: Device::CPU, dtype, shape, strides, byte_offset: 0 };
+        let raw = export_versioned_from(parts, flags, buf, |b: &mut B| {
+            b.as_mut_ptr().cast::<u8>().wrapping_add(first_byte as usize).cast::<c_void>()
+        });
         // SAFETY: a versioned struct just made, owned here, with shape/strides inside it.
         unsafe { Self::from_raw_versioned(raw.as_ptr()) }
     }
@@ -533,10 +558,24 @@ impl ManagedTensor {
     }
 
     /// A new legacy managed tensor sharing this tensor's data; see
-    /// [`ManagedTensor::export_versioned`]. A legacy struct cannot carry flags: a caller exporting a
-    /// read-only tensor this way must decide whether that is acceptable (the Python layer refuses).
-    pub fn export_legacy(self: &Arc<Self>) -> NonNull<DLManagedTensor> {
-        export_legacy(self.parts(), Arc::clone(self))
+    /// [`ManagedTensor::export_versioned`]. A legacy struct cannot carry flags, so a read-only
+    /// tensor is refused ([`Error::Incompatible`]): its consumer would take the memory as writable.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use dlbridge::ManagedTensor;
+    /// let shared: Arc<[u8]> = Arc::from(vec![1u8, 2, 3]);
+    /// let t = Arc::new(ManagedTensor::from_host(shared, &[3]).unwrap());
+    /// assert!(t.is_read_only() && t.export_legacy().is_err());
+    /// ```
+    pub fn export_legacy(self: &Arc<Self>) -> Result<NonNull<DLManagedTensor>> {
+        if self.is_read_only() {
+            return Err(Error::Incompatible {
+                expected: "a writable tensor (a legacy DLManagedTensor cannot say read-only)".into(),
+                found: self.describe(),
+            });
+        }
+        Ok(export_legacy(self.parts(), Arc::clone(self)))
     }
 }
 

@@ -155,7 +155,9 @@ impl ManagedTensor {
     ///
     /// `ptr` is NULL or points to a live `DLManagedTensor` whose ownership passes to this call,
     /// and whose `shape` and `strides` pointers are NULL or point to `ndim` readable `i64`s while
-    /// the tensor lives.
+    /// the tensor lives. A legacy struct cannot say read-only, so the result is writable: the
+    /// memory must be writable by this side, or the caller must call
+    /// [`ManagedTensor::into_read_only`] on the result before any mutable access.
     pub unsafe fn from_raw_legacy(ptr: *mut DLManagedTensor) -> Result<Self> {
         let Some(p) = NonNull::new(ptr) else { return Err(Error::NullTensor) };
         let raw = Raw::Legacy(p);
@@ -362,8 +364,9 @@ impl ManagedTensor {
     }
 
     /// This tensor, marked read-only (for a legacy tensor whose writability is unknown, or to hand
-    /// out a view that must not be written). There is no way back: nothing can make a read-only
-    /// tensor writable.
+    /// out a view that must not be written). Nothing safe makes it writable again (a legacy tensor
+    /// given up by [`ManagedTensor::into_raw`] loses the mark, since the struct cannot carry it:
+    /// taking it back in is `unsafe` and says so).
     pub fn into_read_only(mut self) -> Self {
         self.flags |= Flags::READ_ONLY;
         self

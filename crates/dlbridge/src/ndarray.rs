@@ -99,6 +99,12 @@ impl ManagedTensor {
             return Err(need(""));
         }
         if self.numel() == 0 {
+            // ndarray requires the product of the non-zero extents to fit isize, even for an empty
+            // array ((0, 2^62, 2^62) is a valid empty tensor but not a valid ndarray shape).
+            let fits = shape.iter().filter(|&&d| d != 0).try_fold(1usize, |acc, &d| acc.checked_mul(d));
+            if fits.is_none_or(|n| n > isize::MAX as usize) {
+                return Err(need(" whose non-zero extents multiply to at most isize::MAX"));
+            }
             let zeros = vec![0; shape.len()];
             let lease = self.lease(write)?;
             return Ok((Raw { low: NonNull::dangling(), shape, strides: zeros, negative: vec![] }, lease));

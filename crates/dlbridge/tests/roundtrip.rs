@@ -128,7 +128,7 @@ fn a_write_on_one_side_is_seen_on_the_other() {
 fn legacy_export_shares_data_and_keeps_it_alive() {
     let shared =
         Arc::new(ManagedTensor::from_host_strided(vec![1i16, 2, 3, 4, 5, 6], &[3, 2], &[1, 3], 0).unwrap());
-    let p = shared.export_legacy().as_ptr();
+    let p = shared.export_legacy().unwrap().as_ptr();
     drop(shared.clone());
     // SAFETY: a fresh legacy struct owned here.
     let t = unsafe { ManagedTensor::from_raw_legacy(p) }.unwrap();

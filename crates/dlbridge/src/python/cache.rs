@@ -61,11 +61,20 @@ pub fn type_info(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
 #[inline(never)]
 fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
     let py = ty.py();
+    let dlpack = ty.getattr_opt(intern!(py, "__dlpack__"))?;
     let info = TypeInfo {
-        exchange: ExchangeApi::of_type(ty)?,
-        dlpack: ty.getattr_opt(intern!(py, "__dlpack__"))?.is_some(),
+        exchange: match &dlpack {
+            Some(d) if owns_protocol(ty, intern!(py, "__dlpack_c_exchange_api__"), d)? => {
+                ExchangeApi::of_type(ty)?
+            }
+            _ => None,
+        },
+        numpy: match (&dlpack, super::numpy::ndarray_type(ty)) {
+            (Some(d), Some(nd)) => nd.getattr_opt(intern!(py, "__dlpack__"))?.is_some_and(|own| own.is(d)),
+            _ => false,
+        },
+        dlpack: dlpack.is_some(),
         legacy: false,
-        numpy: super::numpy::is_ndarray_type(ty),
     };
     // The lookups above assign a version tag if the type had none yet.
     let (addr, tag) = key(ty);
@@ -79,6 +88,25 @@ fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
         });
     }
     Ok(info)
+}
+
+/// Whether the class that defines `attr` (the exchange table) in `ty`'s MRO has the very
+/// `__dlpack__` that `ty` has (`dlpack`): a table serves only types whose protocol methods are its
+/// publisher's own, so a subclass that overrides `__dlpack__` is served by its own method.
+fn owns_protocol(
+    ty: &Bound<'_, PyType>,
+    attr: &Bound<'_, pyo3::types::PyString>,
+    dlpack: &Bound<'_, PyAny>,
+) -> PyResult<bool> {
+    let py = ty.py();
+    for base in ty.getattr(intern!(py, "__mro__"))?.try_iter()? {
+        let base = base?;
+        let dict = base.getattr(intern!(py, "__dict__"))?;
+        if dict.contains(attr)? {
+            return Ok(base.getattr_opt(intern!(py, "__dlpack__"))?.is_some_and(|own| own.is(dlpack)));
+        }
+    }
+    Ok(false)
 }
 
 /// Records that `ty`'s `__dlpack__` takes no keywords, so later imports call it the legacy way.

@@ -305,7 +305,7 @@ unsafe extern "C" fn allocator(
 /// The GIL is held and `obj` is a live object.
 unsafe fn tensor_of<'py>(py: Python<'py>, obj: *mut c_void) -> Option<Bound<'py, Tensor>> {
     if obj.is_null() {
-        PyBufferError::new_err("exchange API: py_object is NULL").restore(py);
+        super::fastcall::raise(PyBufferError::new_err("exchange API: py_object is NULL"));
         return None;
     }
     // SAFETY: the caller's promise: a live object, borrowed.
@@ -313,7 +313,7 @@ unsafe fn tensor_of<'py>(py: Python<'py>, obj: *mut c_void) -> Option<Bound<'py,
     match any.cast_into::<Tensor>() {
         Ok(t) => Some(t),
         Err(e) => {
-            PyErr::from(e).restore(py);
+            super::fastcall::raise(PyErr::from(e));
             None
         }
     }
@@ -328,7 +328,7 @@ unsafe extern "C" fn from_py_object_no_sync(
     // SAFETY: as above.
     let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
     if out.is_null() {
-        PyBufferError::new_err("exchange API: out is NULL").restore(py);
+        super::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
     let p = t.get().shared().export_versioned();
@@ -347,7 +347,7 @@ unsafe extern "C" fn to_py_object_no_sync(
     let t = match unsafe { ManagedTensor::from_raw_versioned(tensor) } {
         Ok(t) => t,
         Err(e) => {
-            PyErr::from(e).restore(py);
+            super::fastcall::raise(PyErr::from(e));
             return -1;
         }
     };
@@ -358,11 +358,11 @@ unsafe extern "C" fn to_py_object_no_sync(
             0
         }
         Ok(_) => {
-            PyBufferError::new_err("exchange API: out_py_object is NULL").restore(py);
+            super::fastcall::raise(PyBufferError::new_err("exchange API: out_py_object is NULL"));
             -1
         }
         Err(e) => {
-            e.restore(py);
+            super::fastcall::raise(e);
             -1
         }
     }
@@ -374,17 +374,16 @@ unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out
     // SAFETY: as above.
     let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
     if out.is_null() {
-        PyBufferError::new_err("exchange API: out is NULL").restore(py);
+        super::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
     let inner: &Arc<ManagedTensor> = t.get().shared();
     if inner.is_read_only() {
         // A borrowed DLTensor has no flags: a consumer would take the memory as writable.
-        PyBufferError::new_err(
+        super::fastcall::raise(PyBufferError::new_err(
             "dltensor_from_py_object_no_sync: the tensor is read-only, which a borrowed DLTensor \
              cannot say; use managed_tensor_from_py_object_no_sync",
-        )
-        .restore(py);
+        ));
         return -1;
     }
     let mut d = *inner.dl_tensor();

@@ -130,16 +130,25 @@ pub(crate) unsafe fn parse<'a, 'py, const P: usize, const N: usize>(
     Ok((positional, found))
 }
 
+/// Sets `e` as the current Python exception, through PyO3's attach guard. Entry points called by
+/// CPython start from `Python::assume_attached`, which does not tell PyO3 the thread is attached:
+/// the type and value objects an error drops while being raised would then be parked in PyO3's
+/// deferred-decref pool until some later attach (about 170 bytes per error, without bound in a
+/// loop of failing calls). Only the error path pays for the guard.
+pub(crate) fn raise(e: PyErr) {
+    Python::attach(|py| e.restore(py));
+}
+
 /// Runs `f` as the body of a fastcall function: its object is returned as a new reference, its
 /// error is raised (NULL returned), and a panic becomes a RuntimeError instead of unwinding into C.
 pub(crate) fn run<'py>(
-    py: Python<'py>,
+    _py: Python<'py>,
     f: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
 ) -> *mut ffi::PyObject {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(obj)) => obj.into_ptr(),
         Ok(Err(e)) => {
-            e.restore(py);
+            raise(e);
             std::ptr::null_mut()
         }
         Err(payload) => {
@@ -148,7 +157,7 @@ pub(crate) fn run<'py>(
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a panic".into());
-            PyRuntimeError::new_err(format!("dlbridge: internal error (panic): {what}")).restore(py);
+            raise(PyRuntimeError::new_err(format!("dlbridge: internal error (panic): {what}")));
             std::ptr::null_mut()
         }
     }

@@ -161,31 +161,49 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
 const BORROW_REGISTRY_ATTR: &str = "_dlbridge_borrow_registry_v1";
 const BORROW_REGISTRY_CAPSULE: &std::ffi::CStr = c"dlbridge.borrow_registry.v1";
 
-/// Whether this copy of the crate has joined the process's shared borrow registry.
-static REGISTRY_SHARED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Whether this copy of the crate has joined the process: the shared borrow registry, and the
+/// `atexit` hook that stops deferred releases before the interpreter is torn down.
+static JOINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Makes this copy of the crate use the process's shared borrow registry (see [`crate::borrow`]),
-/// once: every entry point from Python calls it (one relaxed load after the first time), so a
-/// downstream extension that never calls [`init_module`] joins too.
+/// Joins the process (see [`JOINED`]) once: every entry point from Python calls it (one relaxed load
+/// after the first time), so a downstream extension that never calls [`init_module`] joins too.
 #[inline]
 pub(crate) fn share_borrow_registry(py: Python<'_>) {
-    if !REGISTRY_SHARED.load(std::sync::atomic::Ordering::Relaxed) {
-        join_borrow_registry(py);
+    if !JOINED.load(std::sync::atomic::Ordering::Relaxed) {
+        join(py);
+    }
+}
+
+/// [`share_borrow_registry`] when this thread holds the GIL (typed access may run without it).
+#[inline]
+pub(crate) fn join_if_attached() {
+    if !JOINED.load(std::sync::atomic::Ordering::Relaxed) && release::attached_here() {
+        // SAFETY: this thread holds the GIL (checked), for the duration of the call.
+        join(unsafe { Python::assume_attached() });
     }
 }
 
 #[cold]
-fn join_borrow_registry(py: Python<'_>) {
+fn join(py: Python<'_>) {
     // Under the GIL, so two threads of this module never race here.
-    if let Err(e) = try_join_borrow_registry(py) {
-        // A foreign object under the name: keep the crate's own registry (sound within this
-        // module) and say so once.
-        e.write_unraisable(py, None);
+    if !release::register_atexit(py) {
+        return;
     }
-    REGISTRY_SHARED.store(true, std::sync::atomic::Ordering::Relaxed);
+    match try_join_borrow_registry(py) {
+        Ok(true) => JOINED.store(true, std::sync::atomic::Ordering::Relaxed),
+        // This copy holds leases in its own registry: join at a later entry, once it holds none.
+        Ok(false) => {}
+        Err(e) => {
+            // A foreign object under the name: keep the crate's own registry (sound within this
+            // module) and say so once.
+            e.write_unraisable(py, None);
+            JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
-fn try_join_borrow_registry(py: Python<'_>) -> PyResult<()> {
+/// Ok(true): joined (or published); Ok(false): not yet (own leases live).
+fn try_join_borrow_registry(py: Python<'_>) -> PyResult<bool> {
     use pyo3::ffi;
     let sys = py.import("sys")?;
     if let Some(cap) = sys.getattr_opt(BORROW_REGISTRY_ATTR)? {
@@ -198,8 +216,7 @@ fn try_join_borrow_registry(py: Python<'_>) -> PyResult<()> {
             let api: &'static crate::borrow::RegistryApi = unsafe { &*p.cast() };
             if api.version == crate::borrow::RegistryApi::VERSION {
                 // SAFETY: as above: a live table of this version for the rest of the process.
-                unsafe { crate::borrow::use_shared(api) };
-                return Ok(());
+                return Ok(unsafe { crate::borrow::use_shared(api) });
             }
         }
         return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
@@ -213,5 +230,6 @@ fn try_join_borrow_registry(py: Python<'_>) -> PyResult<()> {
     let cap = unsafe { ffi::PyCapsule_New(p.as_ptr().cast(), BORROW_REGISTRY_CAPSULE.as_ptr(), None) };
     // SAFETY: a new reference or NULL with an exception set.
     let cap = unsafe { Bound::from_owned_ptr_or_err(py, cap) }?;
-    sys.setattr(BORROW_REGISTRY_ATTR, cap)
+    sys.setattr(BORROW_REGISTRY_ATTR, cap)?;
+    Ok(true)
 }

@@ -178,20 +178,31 @@ pub fn parts_exact<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
     }
 }
 
-/// Whether `ty` is `numpy.ndarray` or derives from it (by name; [`parts`] verifies the layout).
-pub fn is_ndarray_type(ty: &Bound<'_, pyo3::types::PyType>) -> bool {
-    find_ndarray(ty.as_type_ptr()).is_some()
+/// numpy's `ndarray` type if `ty` is it or derives from it ([`parts`] verifies the layout).
+pub fn ndarray_type<'py>(ty: &Bound<'py, pyo3::types::PyType>) -> Option<Bound<'py, pyo3::types::PyType>> {
+    let p = find_ndarray(ty.as_type_ptr())?;
+    // SAFETY: a live type object (a base of `ty`, kept alive by it), borrowed.
+    let any = unsafe { Bound::from_borrowed_ptr(ty.py(), p as *mut ffi::PyObject) };
+    any.cast_into::<pyo3::types::PyType>().ok()
 }
 
-/// `ty` or a base named `numpy.ndarray`, if any.
+/// `ty` or a base that is numpy's `ndarray`: a static type of that name whose instances are at
+/// least as large as the fields read here, if any.
 fn find_ndarray(mut ty: *mut ffi::PyTypeObject) -> Option<usize> {
     for _ in 0..32 {
         if ty.is_null() {
             return None;
         }
-        // SAFETY: a live type object; tp_name is a NUL-terminated static string.
+        // SAFETY: a live type object; tp_name is a NUL-terminated string it owns.
         let name = unsafe { std::ffi::CStr::from_ptr((*ty).tp_name) };
-        if name.to_bytes() == b"numpy.ndarray" {
+        // numpy's ndarray is a static (non-heap) type whose instances hold the fields read here: a
+        // class made in Python can take the name (`__name__ = "numpy.ndarray"`), but it is always a
+        // heap type, and a smaller struct would be read out of bounds.
+        // SAFETY: as above; reads the type's flags and instance size.
+        let (heap, size) =
+            unsafe { (ffi::PyType_HasFeature(ty, ffi::Py_TPFLAGS_HEAPTYPE) != 0, (*ty).tp_basicsize) };
+        if name.to_bytes() == b"numpy.ndarray" && !heap && size >= size_of::<ArrayFields>() as ffi::Py_ssize_t
+        {
             return Some(ty as usize);
         }
         // SAFETY: as above.

@@ -46,7 +46,20 @@ impl Pending {
     }
 }
 
-static QUEUE: Mutex<Vec<Pending>> = Mutex::new(Vec::new());
+/// Queued releases, and whether the interpreter has begun finalizing (set by an `atexit` hook
+/// under this lock): from then on nothing is queued or scheduled, so `Py_AddPendingCall` is never
+/// called on an interpreter being torn down.
+static QUEUE: Mutex<Queue> = Mutex::new(Queue { items: Vec::new(), finalizing: false });
+
+struct Queue {
+    items: Vec<Pending>,
+    finalizing: bool,
+}
+
+fn queue() -> std::sync::MutexGuard<'static, Queue> {
+    // Nothing panics while the lock is held; a poisoned lock still holds consistent data.
+    QUEUE.lock().unwrap_or_else(|e| e.into_inner())
+}
 /// Whether the queue may be non-empty (checked without the lock on every entry point).
 static QUEUED: AtomicBool = AtomicBool::new(false);
 /// Whether a pending call to drain the queue is already scheduled.
@@ -70,22 +83,45 @@ fn release_or_queue(p: Pending) {
         unsafe { p.release() };
         return;
     }
+    let mut q = queue();
     // SAFETY: reads a runtime flag; callable without the GIL.
-    if unsafe { ffi::Py_IsInitialized() } == 0 {
-        // The interpreter is gone: leak rather than crash (a `Pending` releases nothing by itself).
+    if q.finalizing || unsafe { ffi::Py_IsInitialized() } == 0 {
+        // The interpreter is finalizing or gone: leak rather than crash (a `Pending` releases
+        // nothing by itself).
         let _leaked = p;
         return;
     }
-    QUEUE.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+    q.items.push(p);
     QUEUED.store(true, Ordering::Release);
     if !SCHEDULED.swap(true, Ordering::AcqRel) {
         // SAFETY: Py_AddPendingCall may be called from any thread without the GIL; the callback
-        // is a plain function that runs with the GIL held.
+        // is a plain function that runs with the GIL held. The queue lock is held across the call
+        // and `finalizing` is false, so the atexit hook (which takes the lock) has not run: the
+        // interpreter is not being torn down.
         if unsafe { ffi::Py_AddPendingCall(Some(drain_pending), std::ptr::null_mut()) } != 0 {
             // CPython's pending-call queue is full: the next entry point drains ours instead.
             SCHEDULED.store(false, Ordering::Release);
         }
     }
+    drop(q);
+}
+
+/// Registers (once per copy of the crate) the `atexit` hook that marks the interpreter as
+/// finalizing and releases what is queued; false if it could not be registered (then the caller
+/// tries again at its next entry).
+pub(crate) fn register_atexit(py: Python<'_>) -> bool {
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
+    if REGISTERED.load(Ordering::Relaxed) {
+        return true;
+    }
+    let hook = pyo3::types::PyCFunction::new_closure(py, None, None, |_args, _kwargs| {
+        queue().finalizing = true;
+        // SAFETY: the hook runs with the GIL held.
+        unsafe { drain() };
+    });
+    let ok = hook.and_then(|h| py.import("atexit")?.call_method1("register", (h,))).is_ok();
+    REGISTERED.store(ok, Ordering::Relaxed);
+    ok
 }
 
 extern "C" fn drain_pending(_arg: *mut c_void) -> c_int {
@@ -105,7 +141,7 @@ unsafe fn drain() {
         return;
     }
     // Taken out first, so no lock is held while Python code (a __del__) runs.
-    let items = std::mem::take(&mut *QUEUE.lock().unwrap_or_else(|e| e.into_inner()));
+    let items = std::mem::take(&mut queue().items);
     for p in items {
         // SAFETY: the caller's promise.
         unsafe { p.release() };
@@ -145,6 +181,7 @@ unsafe impl Sync for HeldBuffer {}
 impl HeldBuffer {
     /// `PyObject_GetBuffer(obj, flags)` into a new heap view; the exporter's error on failure.
     pub(crate) fn get(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<Self> {
+        super::share_borrow_registry(obj.py());
         let view = Box::into_raw(Box::new(MaybeUninit::<ffi::Py_buffer>::zeroed())).cast::<ffi::Py_buffer>();
         // SAFETY: a zeroed view for the exporter to fill, at its final address.
         if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view, flags) } != 0 {
