@@ -512,15 +512,22 @@ impl ManagedTensor {
         }
     }
 
+    /// This tensor's description for a re-export: the first element in `data` with `byte_offset`
+    /// 0 where `data` is an address (host and CUDA/ROCm memory; older consumers ignored
+    /// `byte_offset`), the producer's pair as it was where `data` is an opaque handle (OpenCL,
+    /// Vulkan, Metal buffers, on which pointer arithmetic means nothing).
     fn parts(&self) -> Parts<'_> {
         let t = self.dl_tensor();
+        let address = self.is_host_accessible()
+            || matches!(self.device().device_type(), crate::DeviceType::CUDA | crate::DeviceType::ROCM);
+        let (data, byte_offset) = if address { (self.data_ptr(), 0) } else { (t.data, t.byte_offset) };
         Parts {
-            data: t.data,
+            data,
             device: self.device(),
             dtype: self.dtype(),
             shape: self.shape(),
             strides: self.strides(),
-            byte_offset: t.byte_offset,
+            byte_offset,
         }
     }
 

@@ -346,11 +346,12 @@ impl ManagedTensor {
         self.numel as usize
     }
 
-    /// Bytes the elements take when compact (packed sub-byte types share bytes).
-    pub fn nbytes(&self) -> usize {
+    /// Bytes the elements would take if compact (packed sub-byte types share bytes): exact, as a
+    /// `u128`, since a tensor with zero strides may have more elements than its memory could hold
+    /// compact (2^62 broadcast float64s take 2^65 bytes).
+    pub fn nbytes(&self) -> u128 {
         let bits = self.dtype().storage_bits(self.flags.is_subbyte_padded());
-        // Cannot overflow: the span check on entry covered numel elements of this width.
-        layout::compact_byte_size(self.numel, bits).unwrap_or(u64::MAX) as usize
+        (u128::from(self.numel) * u128::from(bits)).div_ceil(8)
     }
 
     /// Whether the elements are compact in row-major order.

@@ -260,7 +260,11 @@ impl ManagedTensor {
             Some(s) if self.is_host_accessible() => s,
             _ => return Err(self.refuse("a host tensor of a whole-byte dtype".into())),
         };
-        let mut buf = AlignedBuffer::<u8>::zeroed(self.numel() * itemsize);
+        let bytes = self.numel().checked_mul(itemsize).filter(|&b| b <= isize::MAX as usize);
+        let Some(bytes) = bytes else {
+            return Err(self.refuse("a tensor whose compact copy fits in memory".into()));
+        };
+        let mut buf = AlignedBuffer::<u8>::zeroed(bytes);
         let base = self.data_ptr().cast::<u8>();
         let lease = self.lease(false)?;
         if self.is_c_contiguous() {

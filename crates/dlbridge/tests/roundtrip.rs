@@ -27,7 +27,7 @@ fn check_type<T: Element + PartialEq + std::fmt::Debug>(values: [T; 6]) {
     assert_eq!(t.data_ptr().cast_const().cast::<T>(), ptr, "no copy for {}", T::DTYPE);
     assert_eq!(t.as_slice::<T>().unwrap(), &values);
     assert_eq!(t.version().unwrap(), dlbridge::Version::CURRENT);
-    assert_eq!(t.nbytes(), 6 * size_of::<T>());
+    assert_eq!(t.nbytes(), 6 * size_of::<T>() as u128);
     // 0-d
     let t0 = through_abi(ManagedTensor::from_vec(vec![values[4]], &[]).unwrap());
     assert_eq!((t0.ndim(), t0.numel()), (0, 1));
@@ -88,13 +88,16 @@ fn dtypes_without_a_rust_type_round_trip_as_bytes() {
                 ManagedTensor::from_host_bytes(AlignedBuffer::<u8>::zeroed(bytes), dtype, &[6], None, 0)
                     .unwrap(),
             );
-            assert_eq!((t.dtype(), t.nbytes()), (dtype, bytes));
+            assert_eq!((t.dtype(), t.nbytes()), (dtype, bytes as u128));
             continue;
         };
         let t = through_abi(
             ManagedTensor::from_host_bytes(vec![7u8; 6 * item], dtype, &[2, 3], None, 0).unwrap(),
         );
-        assert_eq!((t.dtype(), t.nbytes(), t.to_contiguous().unwrap().dtype()), (dtype, 6 * item, dtype));
+        assert_eq!(
+            (t.dtype(), t.nbytes(), t.to_contiguous().unwrap().dtype()),
+            (dtype, 6 * item as u128, dtype)
+        );
     }
 }
 

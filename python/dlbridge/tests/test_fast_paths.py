@@ -299,17 +299,20 @@ def test_torch_lazy_conjugates_are_refused_not_misread() -> None:
     assert np.from_dlpack(resolved).tolist() == [1 - 2j, 3 - 4j]
 
 
-@pytest.mark.hooks
-def test_torch_tensors_that_require_grad_are_exported_by_the_exchange_table() -> None:
+def test_torch_tensors_that_require_grad_are_refused_as_torch_refuses_them() -> None:
     """torch's __dlpack__ refuses tensors that require grad; its exchange table (what dlbridge uses
-    for host tensors) exports them. dlbridge keeps the table's behaviour: the data is what it is."""
+    for host tensors) exports them. dlbridge follows the producer's rule on both paths: a write
+    through it would change a leaf of the autograd graph behind torch's back."""
     torch = need("torch")
     x = torch.arange(3.0, requires_grad=True)
     with pytest.raises(BufferError):
         x.__dlpack__()
-    assert dlbridge.from_dlpack(x).data_ptr == x.data_ptr()
-    assert _dlbridge._view(x)[0] == x.data_ptr()
-
+    with pytest.raises(BufferError, match="detach"):
+        dlbridge.from_dlpack(x)
+    with pytest.raises(BufferError, match="detach"):
+        dlbridge.asdlpack(torch.nn.Parameter(torch.ones(2)))
+    # Detached, the same memory comes through, zero-copy.
+    assert dlbridge.from_dlpack(x.detach()).data_ptr == x.data_ptr()
 
 def _view_sources():
     """(name, make) for every kind of source a view reads, each making a float64 array of 6."""

@@ -25,6 +25,29 @@ pub const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
 /// The name a consumer gives a versioned capsule it took ownership from.
 pub const USED_DLTENSOR_VERSIONED: &CStr = c"used_dltensor_versioned";
 
+/// Runs `f` (a deleter, which may run Python code: a `__del__`, a buffer release) with any
+/// exception already set saved and restored around it: a capsule may be destroyed while an
+/// exception propagates, and Python code run with one set can fail or clear it.
+///
+/// # Safety
+///
+/// The GIL is held.
+unsafe fn keeping_exception(f: impl FnOnce()) {
+    let (mut t, mut v, mut tb) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: the caller's promise (GIL held); moves the current exception, if any, into locals.
+    #[allow(deprecated)]
+    unsafe {
+        ffi::PyErr_Fetch(&mut t, &mut v, &mut tb)
+    };
+    f();
+    // SAFETY: as above; puts the saved exception (or none) back, dropping any `f` left behind
+    // (a deleter has no way to report one).
+    #[allow(deprecated)]
+    unsafe {
+        ffi::PyErr_Restore(t, v, tb)
+    };
+}
+
 /// Capsule destructor for versioned capsules: runs the deleter unless a consumer renamed the
 /// capsule (and so took ownership). CPython calls it with the GIL held.
 unsafe extern "C" fn destroy_versioned(cap: *mut ffi::PyObject) {
@@ -35,8 +58,8 @@ unsafe extern "C" fn destroy_versioned(cap: *mut ffi::PyObject) {
             .cast::<DLManagedTensorVersioned>();
         // SAFETY: the capsule still owns the struct; call its deleter once.
         if let Some(d) = unsafe { (*p).deleter } {
-            // SAFETY: as above.
-            unsafe { d(p) }
+            // SAFETY: as above; CPython calls capsule destructors with the GIL held.
+            unsafe { keeping_exception(|| d(p)) }
         }
     }
 }
@@ -50,7 +73,7 @@ unsafe extern "C" fn destroy_legacy(cap: *mut ffi::PyObject) {
         // SAFETY: the capsule still owns the struct.
         if let Some(d) = unsafe { (*p).deleter } {
             // SAFETY: as above.
-            unsafe { d(p) }
+            unsafe { keeping_exception(|| d(p)) }
         }
     }
 }

@@ -41,6 +41,10 @@ pub struct ExchangeApi {
     api: &'static DLPackExchangeAPI,
     /// The address of the type the table belongs to.
     ty: usize,
+    /// Whether the type has torch's autograd and lazy-view state (`requires_grad`, `is_neg`),
+    /// which its table exports without looking at: checked per tensor, as torch's `__dlpack__`
+    /// would refuse (see [`ExchangeApi::managed_tensor`]).
+    torch_state: bool,
 }
 
 impl ExchangeApi {
@@ -85,7 +89,10 @@ impl ExchangeApi {
     ) -> Option<Self> {
         // SAFETY: the caller's promise.
         let api = unsafe { Self::validate_table(header) }?;
-        Some(Self { api, ty: ty.as_type_ptr() as usize })
+        let py = ty.py();
+        let torch_state = ty.hasattr(intern!(py, "requires_grad")).unwrap_or(false)
+            && ty.hasattr(intern!(py, "is_neg")).unwrap_or(false);
+        Some(Self { api, ty: ty.as_type_ptr() as usize, torch_state })
     }
 
     /// Walks the header chain to a major-1 table whose required functions are all present.
@@ -138,11 +145,32 @@ impl ExchangeApi {
     }
 
     /// Exports `obj` as an owning tensor, without stream synchronisation; `TypeError` unless `obj`
-    /// is exactly of the table's type.
+    /// is exactly of the table's type. Refuses, as the producer's own `__dlpack__` does or should,
+    /// what its table would export anyway: for types with torch's state, a tensor that requires
+    /// grad (writing it would change the autograd graph behind torch's back) and one whose memory
+    /// holds other values than it shows (a lazily conjugated or negated view).
     #[inline]
     pub fn managed_tensor(&self, obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+        match self.managed_tensor_or_table_error(obj)? {
+            Ok(mt) => Ok(mt),
+            Err(table_error) => Err(table_error),
+        }
+    }
+
+    /// [`ExchangeApi::managed_tensor`], with the table function's own failure apart (`Ok(Err)`),
+    /// so the importer can fall back to the producer's `__dlpack__`, whose error is the producer's
+    /// documented one (torch's table raises a `RuntimeError` with a C++ trace for a sparse tensor,
+    /// its `__dlpack__` a `BufferError`).
+    #[inline]
+    pub(crate) fn managed_tensor_or_table_error(
+        &self,
+        obj: &Bound<'_, PyAny>,
+    ) -> PyResult<PyResult<ManagedTensor>> {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
+        }
+        if self.torch_state {
+            refuse_requires_grad(obj)?;
         }
         let f = self.api.managed_tensor_from_py_object_no_sync.expect("checked non-NULL");
         let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
@@ -150,11 +178,11 @@ impl ExchangeApi {
         // bound to it), `out` is writable.
         let rc = unsafe { f(obj.as_ptr().cast(), &mut out) };
         if rc != 0 {
-            return Err(PyErr::take(obj.py()).unwrap_or_else(|| {
+            return Ok(Err(PyErr::take(obj.py()).unwrap_or_else(|| {
                 PyBufferError::new_err(
                     "the exchange API's managed_tensor_from_py_object_no_sync failed without an exception",
                 )
-            }));
+            })));
         }
         // SAFETY: on success `out` is an owning pointer handed to us (the common case taken first).
         let common = std::ptr::NonNull::new(out).and_then(|p| unsafe { ManagedTensor::take_if_common(p) });
@@ -163,8 +191,8 @@ impl ExchangeApi {
             // SAFETY: as above; nothing was taken (NULL is refused without being read).
             None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
         };
-        refuse_lazy_views(obj, mt.dtype())?;
-        Ok(mt)
+        refuse_lazy_views(obj, mt.dtype(), self.torch_state)?;
+        Ok(Ok(mt))
     }
 
     /// The table's borrowed `DLTensor` of `obj` (valid while `obj` lives and its metadata is not
@@ -177,6 +205,9 @@ impl ExchangeApi {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
         }
+        if self.torch_state {
+            refuse_requires_grad(obj)?;
+        }
         let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
         let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
         // SAFETY: a live object of exactly the table's type, the GIL held, a writable DLTensor.
@@ -187,40 +218,66 @@ impl ExchangeApi {
         }
         // SAFETY: filled by a successful call (and zeroed before it).
         let t = unsafe { t.assume_init() };
-        refuse_lazy_views(obj, DataType::from(t.dtype))?;
+        refuse_lazy_views(obj, DataType::from(t.dtype), self.torch_state)?;
         Ok(Some(t))
     }
 }
 
-/// torch keeps `z.conj()` (and negated views) lazy: a bit on the tensor says the memory holds the
-/// values before conjugation. torch's `__dlpack__` refuses such tensors, but its exchange table
-/// exports them as if the memory held the result, so the reader would see wrong values. Only
-/// complex tensors carry the conjugate bit, so only they pay for the check (a method call).
+/// torch's `__dlpack__` refuses a tensor that requires grad ("use tensor.detach()"); its table
+/// does not look. One attribute read (`requires_grad`, a C getter) per import.
 #[inline]
-fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType) -> PyResult<()> {
-    if dtype.code() != crate::dtype::TypeCode::COMPLEX {
-        return Ok(());
-    }
-    refuse_lazy_complex(obj)
-}
-
-#[inline(never)]
-fn refuse_lazy_complex(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+fn refuse_requires_grad(obj: &Bound<'_, PyAny>) -> PyResult<()> {
     let py = obj.py();
-    for (method, what, fix) in [
-        (intern!(py, "is_conj"), "the conjugate bit set", "resolve_conj"),
-        (intern!(py, "is_neg"), "the negative bit set", "resolve_neg"),
-    ] {
-        if let Some(m) = obj.getattr_opt(method)? {
-            if m.call0()?.is_truthy()? {
-                return Err(PyBufferError::new_err(format!(
-                    "{method}: the tensor has {what} (its memory holds other values than it shows); \
-                     call .{fix}() first"
-                )));
-            }
-        }
+    // SAFETY: a live object and an interned name; a new reference or NULL with an error set.
+    let r = unsafe { pyo3::ffi::PyObject_GetAttr(obj.as_ptr(), intern!(py, "requires_grad").as_ptr()) };
+    // SAFETY: as above.
+    let r = unsafe { Bound::from_owned_ptr_or_err(py, r) }?;
+    // SAFETY: comparing with the True singleton.
+    if r.as_ptr() == unsafe { pyo3::ffi::Py_True() } {
+        return Err(PyBufferError::new_err(
+            "requires_grad: can't export tensors that require gradient (as torch's __dlpack__ refuses); \
+             use tensor.detach()",
+        ));
     }
     Ok(())
+}
+
+/// torch keeps `z.conj()` and negated views lazy: a bit on the tensor says the memory holds the
+/// values before conjugation or negation, and the table (and, for the negative bit, even torch's
+/// own `__dlpack__`) exports them as if the memory held the result, so the reader would see
+/// wrong values. Complex tensors can carry both bits, real ones (`z.conj().imag`) the negative one:
+/// a method call per torch import, and a second one for complex tensors.
+#[inline]
+fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType, torch_state: bool) -> PyResult<()> {
+    if !torch_state {
+        return Ok(());
+    }
+    if is_true(obj, intern!(obj.py(), "is_neg"))? {
+        return Err(lazy_view_error("is_neg", "the negative bit set", "resolve_neg"));
+    }
+    if dtype.code() == crate::dtype::TypeCode::COMPLEX && is_true(obj, intern!(obj.py(), "is_conj"))? {
+        return Err(lazy_view_error("is_conj", "the conjugate bit set", "resolve_conj"));
+    }
+    Ok(())
+}
+
+/// Whether `obj.method()` returns True.
+#[inline]
+fn is_true(obj: &Bound<'_, PyAny>, method: &Bound<'_, pyo3::types::PyString>) -> PyResult<bool> {
+    let py = obj.py();
+    // SAFETY: a live object and name; a new reference or NULL with an error set.
+    let r = unsafe { pyo3::ffi::PyObject_CallMethodNoArgs(obj.as_ptr(), method.as_ptr()) };
+    // SAFETY: as above.
+    let r = unsafe { Bound::from_owned_ptr_or_err(py, r) }?;
+    // SAFETY: comparing with the True singleton.
+    Ok(r.as_ptr() == unsafe { pyo3::ffi::Py_True() })
+}
+
+#[cold]
+fn lazy_view_error(method: &str, what: &str, fix: &str) -> PyErr {
+    PyBufferError::new_err(format!(
+        "{method}: the tensor has {what} (its memory holds other values than it shows); call .{fix}() first"
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ use crate::flags::Flags;
 use crate::managed::ManagedTensor;
 
 /// How to import: the keyword arguments of `dlbridge.from_dlpack`.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct ImportOptions<'py> {
     /// The device the result must be on (`dl_device` for the producer); `None`: the producer's.
     pub device: Option<Device>,
@@ -108,11 +108,14 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
     // standard allows only where there is nothing to synchronise: host memory, no stream asked.
     if let Some(api) = info.exchange {
         if plain {
-            let mt = api.managed_tensor(obj)?;
-            if mt.device() == Device::CPU {
-                return finish(mt, opts, false);
+            // A failure of the table function itself falls through to the producer's __dlpack__,
+            // whose refusal is the producer's documented one (a BufferError for torch).
+            if let Ok(mt) = api.managed_tensor_or_table_error(obj)? {
+                if mt.device() == Device::CPU {
+                    return finish(mt, opts, false);
+                }
+                // Device memory: take the protocol path, which handles streams.
             }
-            // Device memory: take the protocol path, which handles streams.
         }
     }
     if !info.dlpack && !obj.hasattr(intern!(py, "__dlpack__"))? {
@@ -124,14 +127,38 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
     // Asked first, as the standard says (it is how a consumer picks a stream), and checked against
     // the capsule below. The hot producers (numpy, torch) never reach this path.
     let announced = producer_device(obj)?;
-    let (capsule, legacy_call) = if info.legacy {
-        (call_legacy(obj, opts)?, true)
+    // The standard: a consumer passes `stream` only for device memory (numpy refuses any other).
+    let host_opts;
+    let call_opts = match (&opts.stream, announced) {
+        (Some(s), Some(d)) if d.device_type() == DeviceType::CPU => {
+            if s.extract::<i64>().ok() != Some(-1) {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "from_dlpack: stream {} for a cpu tensor; only None or -1 (no synchronisation) apply",
+                    s.repr().map(|r| r.to_string()).unwrap_or_default()
+                )));
+            }
+            host_opts = ImportOptions { stream: None, ..opts.clone() };
+            &host_opts
+        }
+        _ => opts,
+    };
+    // `self_copy`: the producer was called without `copy`, so a copy asked for is dlbridge's to make.
+    let (capsule, self_copy) = if info.legacy {
+        (call_legacy(obj, call_opts)?, true)
     } else {
-        match call_dlpack(obj, opts) {
+        match call_dlpack(obj, call_opts) {
             Ok(c) => (c, false),
             Err(e) if rejects_keywords(py, &e) => {
                 cache::mark_legacy(&ty);
-                (call_legacy(obj, opts)?, true)
+                (call_legacy(obj, call_opts)?, true)
+            }
+            // A producer that cannot copy (tensorflow raises RuntimeError): dlbridge copies, from
+            // the producer's own export; if that fails too, the producer's first word stands.
+            Err(e) if opts.copy == Some(true) => {
+                match call_dlpack(obj, &ImportOptions { copy: None, ..call_opts.clone() }) {
+                    Ok(c) => (c, true),
+                    Err(_) => return Err(e),
+                }
             }
             Err(e) => return Err(e),
         }
@@ -149,7 +176,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
             )));
         }
     }
-    finish(mt, opts, legacy_call)
+    finish(mt, opts, self_copy)
 }
 
 /// A numpy array read through its struct (see [`super::numpy`]), owning a reference to it; `None`
@@ -252,7 +279,9 @@ fn call_legacy<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyRes
 }
 
 /// Applies what the producer could not: read-only for legacy tensors, the device check, and a
-/// copy when `copy=True` was asked of a producer that did not take the keyword (`self_copy`).
+/// copy when `copy=True` was asked of a producer that did not take the keyword (`self_copy`) or
+/// that returned read-only memory (jax's copy comes as a legacy capsule): a copy the caller asked
+/// for is writable, always.
 #[inline]
 fn finish(mt: ManagedTensor, opts: &ImportOptions<'_>, self_copy: bool) -> PyResult<ManagedTensor> {
     let mut mt = if !mt.is_versioned() && !opts.legacy_writable { mt.into_read_only() } else { mt };
@@ -265,7 +294,7 @@ fn finish(mt: ManagedTensor, opts: &ImportOptions<'_>, self_copy: bool) -> PyRes
             )));
         }
     }
-    if self_copy && opts.copy == Some(true) {
+    if opts.copy == Some(true) && (self_copy || mt.is_read_only()) {
         mt = mt.to_contiguous()?.with_flags(Flags::IS_COPIED);
     }
     Ok(mt)

@@ -350,9 +350,9 @@ impl Tensor {
         self.inner.dtype().itemsize()
     }
 
-    /// Bytes the elements take.
+    /// Bytes the elements would take if compact (exact, even past 2^64 for broadcast tensors).
     #[getter]
-    fn nbytes(&self) -> usize {
+    fn nbytes(&self) -> u128 {
         self.inner.nbytes()
     }
 
@@ -422,7 +422,8 @@ impl Tensor {
             PyAttributeError::new_err(format!("__cuda_array_interface__: no typestr for {}", t.dtype()))
         })?;
         let d = self.interface_dict(py, ts, 3)?;
-        d.set_item("stream", py.None())?;
+        // v3: the stream the producer's work is queued on (None: no synchronisation needed).
+        d.set_item("stream", self.producer_stream)?;
         Ok(d)
     }
 

@@ -98,18 +98,27 @@ pub struct PyDevice(pub Device);
 
 #[pymethods]
 impl PyDevice {
-    /// `Device("cuda:1")`, `Device(DeviceType.CUDA, 1)` or `Device(2, 1)`.
+    /// `Device("cuda:1")`, `Device("cuda", 1)`, `Device(DeviceType.CUDA, 1)` or `Device(2, 1)`.
     #[new]
-    #[pyo3(signature = (kind, id=0))]
-    fn new(kind: &Bound<'_, PyAny>, id: i32) -> PyResult<Self> {
+    #[pyo3(signature = (kind, id=None))]
+    fn new(kind: &Bound<'_, PyAny>, id: Option<i32>) -> PyResult<Self> {
         if let Ok(name) = kind.extract::<&str>() {
-            return Ok(Self(name.parse::<Device>()?));
+            let d = name.parse::<Device>()?;
+            return match id {
+                None => Ok(Self(d)),
+                Some(i) if !name.contains(':') => Ok(Self(Device::new(d.device_type(), i))),
+                Some(i) if i == d.id() => Ok(Self(d)),
+                Some(i) => Err(PyValueError::new_err(format!(
+                    "device: {name:?} names ordinal {}, but id={i} was given too",
+                    d.id()
+                ))),
+            };
         }
         let t: i32 = kind.extract()?;
         if !DeviceType(t).is_known() {
             return Err(PyValueError::new_err(format!("device type: {t} is not a DLPack 1.3 device type")));
         }
-        Ok(Self(Device::new(DeviceType(t), id)))
+        Ok(Self(Device::new(DeviceType(t), id.unwrap_or(0))))
     }
 
     /// The device type, a `dlbridge.DeviceType` member.
