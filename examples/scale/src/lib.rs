@@ -81,8 +81,8 @@ fn while_reading(t: TensorView<'_>, f: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>>
     Ok(out)
 }
 
-/// The example module.
-#[pymodule]
+/// The example module (it needs the GIL, as every module embedding dlbridge does).
+#[pymodule(gil_used = true)]
 fn dlbridge_scale(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scale, m)?)?;
     m.add_function(wrap_pyfunction!(scale_f32, m)?)?;

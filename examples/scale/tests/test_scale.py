@@ -50,3 +50,14 @@ def test_rust_made_buffer_is_shared_with_numpy_and_torch():
     assert dlbridge_scale.total(x) == sum(range(8)) - 3 + 100
     info = dlbridge_scale.describe(x)
     assert info["data_ptr"] == t.data_ptr and info["shape"] == [8] and info["dtype"] == "float32"
+
+
+def test_a_downstream_tensor_says_what_class_it_is():
+    # Each extension embedding dlbridge has its own Tensor class: it is not dlbridge.Tensor and
+    # does not print as if it were; every DLPack consumer takes it.
+    t = dlbridge_scale.arange(3)
+    assert type(t).__module__ == "dlbridge.embedded" and type(t).__name__ == "Tensor"
+    assert not isinstance(t, dlbridge.Tensor)
+    assert repr(t).startswith("dlbridge.embedded.Tensor(shape=(3,)")
+    assert np.from_dlpack(dlbridge.from_dlpack(t)).tolist() == [0.0, 1.0, 2.0]
+    assert type(dlbridge.asdlpack(b"x")).__module__ == "dlbridge"

@@ -210,3 +210,49 @@ def test_cuda_array_interface_reports_the_producer_stream() -> None:
     t = dlbridge.asdlpack(FakeCuda(), device_id=0)
     assert t.__cuda_array_interface__["stream"] == 0x1234
     assert dlbridge.asdlpack(NoStream(), device_id=0).__cuda_array_interface__["stream"] is None
+
+
+@hooks
+def test_the_type_cache_hits_on_every_python() -> None:
+    # On 3.13 CPython no longer sets Py_TPFLAGS_VALID_VERSION_TAG: the cache never hit (100 type
+    # lookups for 100 imports) and a legacy producer paid a failing keyword call every time.
+    np = need("numpy")
+
+    class Producer:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    a = np.arange(3.0)
+    dlbridge.from_dlpack(Producer(a))
+    before = dlbridge._dlbridge._type_cache_misses()
+    for _ in range(100):
+        dlbridge.from_dlpack(Producer(a))
+    assert dlbridge._dlbridge._type_cache_misses() - before == 0
+
+    keyword_calls = []
+
+    class Legacy:
+        def __dlpack__(self, stream=None, **kw):
+            if kw:  # what a pre-2023 producer's signature rejects
+                keyword_calls.append(kw)
+                raise TypeError(f"__dlpack__() got an unexpected keyword argument '{next(iter(kw))}'")
+            return a.__dlpack__()
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    for _ in range(10):
+        assert dlbridge.from_dlpack(Legacy()).readonly
+    assert len(keyword_calls) == 1  # the failing keyword call happened once, not per import
+    # A modified type misses once, then hits again.
+    Producer.extra = 1
+    before = dlbridge._dlbridge._type_cache_misses()
+    for _ in range(10):
+        dlbridge.from_dlpack(Producer(a))
+    assert dlbridge._dlbridge._type_cache_misses() - before == 1

@@ -1,11 +1,14 @@
 //! What each Python type speaks, found once and cached per thread, so the import path makes no
 //! failed attribute lookups (a raised-and-caught AttributeError costs more than a whole import).
 //!
-//! Entries are keyed by the type's address *and* its `tp_version_tag`. CPython gives a type a new
-//! tag whenever the type is modified, and tags are never reused, so an entry can neither go stale
-//! nor be hit by another type that later lands at the same address. No strong reference is held,
-//! and the cache is thread-local: no lock on the hot path, nothing to release at shutdown, and
-//! ready for free-threaded builds. A type without a valid tag (rare) is simply not cached.
+//! Entries are keyed by the type's address and its `tp_version_tag`, and hold a strong reference
+//! to the type. CPython gives a type a new tag whenever the type is modified, so a modified type
+//! misses; the reference keeps the type alive while cached, so no other type can land at its
+//! address (on 3.9 and 3.10 `sys._clear_type_cache()` restarts the tag counter, so an address and
+//! a tag alone could match another type). A tag is valid when CPython says so: the
+//! `Py_TPFLAGS_VALID_VERSION_TAG` flag before 3.12, a non-zero tag from 3.12 on (3.13 no longer
+//! sets the flag). The cache is thread-local: no lock on the hot path. A type without a valid tag
+//! (rare) is simply not cached.
 
 use std::cell::RefCell;
 
@@ -31,8 +34,24 @@ pub struct TypeInfo {
 
 const CAPACITY: usize = 32;
 
+/// One cached type: its address, its tag, what it speaks, and a strong reference that keeps the
+/// address from being reused while the entry lives.
+struct Entry {
+    addr: usize,
+    tag: u32,
+    info: TypeInfo,
+    _keep: Py<PyType>,
+}
+
 thread_local! {
-    static CACHE: RefCell<Vec<(usize, u32, TypeInfo)>> = const { RefCell::new(Vec::new()) };
+    static CACHE: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this interpreter marks valid tags by a non-zero value alone (3.12 on) rather than with
+/// `Py_TPFLAGS_VALID_VERSION_TAG`.
+fn tag_alone_is_valid(py: Python<'_>) -> bool {
+    static NEW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NEW.get_or_init(|| py.version_info() >= (3, 12))
 }
 
 fn key(ty: &Bound<'_, PyType>) -> (usize, u32) {
@@ -40,9 +59,14 @@ fn key(ty: &Bound<'_, PyType>) -> (usize, u32) {
     // SAFETY: a live type object; reading its version tag field.
     let tag = unsafe { (*p).tp_version_tag };
     // SAFETY: as above.
-    let valid = unsafe { ffi::PyType_HasFeature(p, ffi::Py_TPFLAGS_VALID_VERSION_TAG) } != 0;
+    let valid = tag_alone_is_valid(ty.py())
+        || unsafe { ffi::PyType_HasFeature(p, ffi::Py_TPFLAGS_VALID_VERSION_TAG) } != 0;
     (p as usize, if valid { tag } else { 0 })
 }
+
+/// Type-level lookups made so far on this thread (the cache's misses), for the hit-rate tests.
+#[cfg(feature = "test-hooks")]
+pub(crate) static MISSES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// What `ty` speaks (looked up on a cache miss). The hit is inlined into the import paths, so
 /// no `PyResult` is built and read back through memory on every call.
@@ -50,7 +74,7 @@ fn key(ty: &Bound<'_, PyType>) -> (usize, u32) {
 pub fn type_info(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
     let (addr, tag) = key(ty);
     if tag != 0 {
-        let hit = CACHE.with_borrow(|c| c.iter().find(|(a, t, _)| *a == addr && *t == tag).map(|e| e.2));
+        let hit = CACHE.with_borrow(|c| c.iter().find(|e| e.addr == addr && e.tag == tag).map(|e| e.info));
         if let Some(info) = hit {
             return Ok(info);
         }
@@ -61,6 +85,8 @@ pub fn type_info(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
 #[inline(never)]
 fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
     let py = ty.py();
+    #[cfg(feature = "test-hooks")]
+    MISSES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dlpack = ty.getattr_opt(intern!(py, "__dlpack__"))?;
     let info = TypeInfo {
         exchange: match &dlpack {
@@ -79,13 +105,19 @@ fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
     // The lookups above assign a version tag if the type had none yet.
     let (addr, tag) = key(ty);
     if tag != 0 {
-        CACHE.with_borrow_mut(|c| {
-            c.retain(|(a, _, _)| *a != addr);
-            if c.len() == CAPACITY {
-                c.remove(0);
+        let evicted = CACHE.with_borrow_mut(|c| {
+            let mut out: Vec<Entry> = Vec::new();
+            if let Some(i) = c.iter().position(|e| e.addr == addr) {
+                out.push(c.remove(i));
             }
-            c.push((addr, tag, info));
+            if c.len() == CAPACITY {
+                out.push(c.remove(0));
+            }
+            c.push(Entry { addr, tag, info, _keep: ty.clone().unbind() });
+            out
         });
+        // Dropped outside the borrow: releasing a type may run Python code that imports again.
+        drop(evicted);
     }
     Ok(info)
 }
@@ -113,8 +145,8 @@ fn owns_protocol(
 pub fn mark_legacy(ty: &Bound<'_, PyType>) {
     let (addr, tag) = key(ty);
     CACHE.with_borrow_mut(|c| {
-        if let Some(e) = c.iter_mut().find(|(a, t, _)| *a == addr && *t == tag) {
-            e.2.legacy = true;
+        if let Some(e) = c.iter_mut().find(|e| e.addr == addr && e.tag == tag) {
+            e.info.legacy = true;
         }
     });
 }

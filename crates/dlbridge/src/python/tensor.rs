@@ -23,7 +23,10 @@ use crate::managed::ManagedTensor;
 
 /// A DLPack tensor owned by dlbridge: any DLPack consumer (numpy, torch, jax, ...) accepts it,
 /// as often as asked.
-#[pyclass(module = "dlbridge", name = "Tensor", frozen)]
+// The Python package's own module is `dlbridge`; a downstream extension's copy of the class is
+// another class (not `dlbridge.Tensor`, which `isinstance` would deny), and says so.
+#[cfg_attr(feature = "dlbridge-module", pyclass(module = "dlbridge", name = "Tensor", frozen))]
+#[cfg_attr(not(feature = "dlbridge-module"), pyclass(module = "dlbridge.embedded", name = "Tensor", frozen))]
 pub struct Tensor {
     inner: Arc<ManagedTensor>,
     /// `__dlpack_device__`'s tuple, made on first call.
@@ -382,8 +385,9 @@ impl Tensor {
 
     fn __repr__(&self) -> String {
         let t = &*self.inner;
+        let module = if cfg!(feature = "dlbridge-module") { "dlbridge" } else { "dlbridge.embedded" };
         format!(
-            "dlbridge.Tensor(shape={}, dtype={}, device={}, strides={}, readonly={})",
+            "{module}.Tensor(shape={}, dtype={}, device={}, strides={}, readonly={})",
             crate::error::tuple(t.shape()),
             t.dtype(),
             t.device(),

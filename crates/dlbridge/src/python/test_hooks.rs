@@ -18,6 +18,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_view_deref, m)?)?;
     m.add_function(wrap_pyfunction!(_view_add, m)?)?;
     m.add_function(wrap_pyfunction!(_view_twice, m)?)?;
+    m.add_function(wrap_pyfunction!(_type_cache_misses, m)?)?;
     m.add_class::<HostileBuffer>()?;
     // PyO3 lists every added function in `__all__`; hooks are private, so take them out again.
     let all = m.index()?;
@@ -181,4 +182,10 @@ fn _view_twice(a: TensorView<'_>, mut b: TensorView<'_>, value: f64) -> PyResult
     };
     drop(r);
     Ok(outcome)
+}
+
+/// Test hook: how many type-level lookups (type-cache misses) dlbridge made so far.
+#[pyfunction]
+fn _type_cache_misses() -> usize {
+    super::cache::MISSES.load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -26,7 +26,14 @@ impl From<Error> for PyErr {
 }
 
 /// A DLPack element type: `code`, `bits`, `lanes`; `str()` gives the numpy/ml_dtypes name.
-#[pyclass(module = "dlbridge", name = "DType", frozen, eq, hash, from_py_object)]
+#[cfg_attr(
+    feature = "dlbridge-module",
+    pyclass(module = "dlbridge", name = "DType", frozen, eq, hash, from_py_object)
+)]
+#[cfg_attr(
+    not(feature = "dlbridge-module"),
+    pyclass(module = "dlbridge.embedded", name = "DType", frozen, eq, hash, from_py_object)
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PyDType(pub DataType);
 
@@ -92,7 +99,14 @@ impl PyDType {
 }
 
 /// A device: `type` (a DeviceType) and `id`; `str()` gives "cpu" or "cuda:1".
-#[pyclass(module = "dlbridge", name = "Device", frozen, eq, hash, from_py_object)]
+#[cfg_attr(
+    feature = "dlbridge-module",
+    pyclass(module = "dlbridge", name = "Device", frozen, eq, hash, from_py_object)
+)]
+#[cfg_attr(
+    not(feature = "dlbridge-module"),
+    pyclass(module = "dlbridge.embedded", name = "Device", frozen, eq, hash, from_py_object)
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PyDevice(pub Device);
 
