@@ -12,7 +12,7 @@ MATURIN := VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin
 # One interpreter for every build (cargo and maturin), so pyo3 is configured once.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: demo demo-abi test lint rust-test miri hooks-absent docs valgrind valgrind-python develop py-test stubs bench fuzz soak clean
+.PHONY: demo demo-abi test lint rust-test miri hooks-absent matrix docs valgrind valgrind-python develop py-test stubs bench fuzz soak clean
 
 demo: develop
 	cd /tmp && $(PY) $(CURDIR)/examples/demo.py
@@ -21,7 +21,7 @@ demo: develop
 demo-abi:
 	$(CARGO) run --quiet --example demo
 
-test: lint rust-test miri docs valgrind py-test stubs hooks-absent
+test: lint rust-test miri docs valgrind py-test stubs hooks-absent matrix
 
 $(STAMP): python/requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,11 @@ py-test: develop
 	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes,tvm_ffi \
 	  $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge
 
+# The shipped suite on CPython 3.10, 3.12 and 3.13 too (one virtualenv each, .venv-3.X; 3.11 is
+# .venv above): every supported interpreter the machine has is built and tested.
+matrix: $(STAMP)
+	bash scripts/matrix.sh
+
 # The .pyi stubs must match the compiled module.
 stubs: develop
 	cd /tmp && $(PY) -m mypy.stubtest dlbridge._dlbridge --mypy-config-file $(CURDIR)/pyproject.toml
@@ -100,4 +105,4 @@ soak: develop
 
 clean:
 	$(CARGO) clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(CURDIR)/.venv-3.*

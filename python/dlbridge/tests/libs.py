@@ -253,8 +253,16 @@ def consume_xp(t: Any) -> Any:
     return need("array_api_strict").from_dlpack(t)
 
 
+def need_pyarrow_consumer() -> Any:
+    """pyarrow, if it can consume DLPack (`Array.from_dlpack`, pyarrow 26 on); else the test skips."""
+    pa = need("pyarrow")
+    if not hasattr(pa.Array, "from_dlpack"):
+        pytest.skip(f"pyarrow {pa.__version__} has no Array.from_dlpack (added in pyarrow 26)")
+    return pa
+
+
 def consume_pyarrow(t: Any) -> Any:
-    return need("pyarrow").Array.from_dlpack(t)
+    return need_pyarrow_consumer().Array.from_dlpack(t)
 
 
 def consume_dlbridge(t: Any) -> Any:

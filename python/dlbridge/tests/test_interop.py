@@ -26,6 +26,7 @@ from .libs import (
     PYARROW_DTYPES,
     SHAPES,
     need,
+    need_pyarrow_consumer,
     pointer,
     reference,
     to_numpy,
@@ -116,7 +117,7 @@ def test_producer_to_dlbridge_to_consumer(producer: str, consumer: str, dtype: s
 
 @pytest.mark.parametrize("dtype", PYARROW_DTYPES + ["bool", "complex64"])
 def test_one_dimensional_arrays_into_pyarrow(dtype: str) -> None:
-    pa = need("pyarrow")
+    pa = need_pyarrow_consumer()
     t = dlbridge.from_dlpack(reference(dtype, "1d"))
     if dtype not in PYARROW_DTYPES:
         with pytest.raises(pa.ArrowInvalid, match="unsupported DLPack type"):

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The Python matrix: dlbridge built for every supported CPython this machine has (besides the main
+# .venv's 3.11, which `make py-test` covers with every library), each with its own virtualenv, and
+# the shipped suite (`pytest --pyargs dlbridge`) run on it. Every interpreter gets numpy, ml_dtypes,
+# array-api-strict and pyarrow (the newest each publishes wheels for); 3.12 also gets torch (the
+# GPU machine's Python). An interpreter the machine lacks is reported as missing, not passed.
+#
+#   MATRIX="3.10 3.12 3.13" bash scripts/matrix.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+versions=${MATRIX:-"3.10 3.12 3.13"}
+maturin="$root/.venv/bin/maturin"
+pyenv_root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+summary=()
+status=0
+for v in $versions; do
+  base=$(ls -d "$pyenv_root"/versions/"$v".* 2>/dev/null | sort -V | tail -1 || true)
+  py="$base/bin/python$v"
+  if [[ -z "$base" || ! -x "$py" ]]; then
+    summary+=("$v: not installed on this machine (not tested)")
+    continue
+  fi
+  venv="$root/.venv-$v"
+  stamp="$venv/.installed"
+  want="pytest numpy ml_dtypes array-api-strict pyarrow"
+  [[ "$v" == "3.12" ]] && want="$want torch==2.15.0"
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip install --quiet $want
+    echo "$want" >"$stamp"
+  fi
+  echo "== CPython $v: building dlbridge"
+  out="$root/target/matrix/wheels-$v"
+  rm -rf "$out"
+  CARGO_TARGET_DIR="$root/target/matrix" PYO3_PYTHON="$venv/bin/python" \
+    "$maturin" build --quiet --features test-hooks -i "$venv/bin/python" -o "$out"
+  "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$out"/dlbridge-*.whl
+  echo "== CPython $v: the shipped suite"
+  log=$(mktemp)
+  set +e
+  (cd /tmp && "$venv/bin/python" -m pytest -q -p no:cacheprovider --pyargs dlbridge) | tee "$log" | tail -3
+  rc=${PIPESTATUS[0]}
+  set -e
+  line=$(grep -E "^[0-9]+ (passed|failed)" "$log" | tail -1 || true)
+  libs=$("$venv/bin/python" -c "import numpy, importlib.util as u; print('numpy', numpy.__version__, *[m for m in ('torch', 'pyarrow', 'ml_dtypes', 'array_api_strict') if u.find_spec(m)])")
+  summary+=("$v: ${line:-no result} ($libs)")
+  rm -f "$log"
+  [[ $rc -ne 0 ]] && status=1
+done
+echo "== Python matrix"
+printf '  %s\n' "${summary[@]}"
+exit $status
