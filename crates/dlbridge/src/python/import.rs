@@ -182,21 +182,15 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
 /// A numpy array read through its struct (see [`super::numpy`]), owning a reference to it; `None`
 /// when the layout needs numpy's own refusal (a stride that is not a multiple of the item size).
 fn from_numpy(obj: &Bound<'_, PyAny>, p: super::numpy::NumpyParts<'_>) -> PyResult<Option<ManagedTensor>> {
-    let n = p.shape.len();
-    // Inline for up to 8 dimensions (no allocation, nothing large to zero); a Vec beyond.
-    let (mut inline_strides, mut spill) = ([0i64; 8], Vec::new());
-    let strides: &mut [i64] = if n <= 8 {
-        &mut inline_strides[..n]
-    } else {
-        spill.resize(n, 0);
-        &mut spill
-    };
+    // Inline for up to 8 dimensions (no allocation), as every view and export keeps its dims.
+    let mut dims = crate::dims::Dims::new();
+    let (shape, strides) = dims.resize(p.shape.len());
+    for (d, &s) in shape.iter_mut().zip(p.shape) {
+        *d = s as i64;
+    }
     if !super::numpy::element_strides(&p, strides) {
         return Ok(None);
     }
-    // npy_intp and int64_t have the same size and alignment on 64-bit targets.
-    // SAFETY: the same memory read as i64 instead of isize (identical layout, asserted in view.rs).
-    let shape: &[i64] = unsafe { std::slice::from_raw_parts(p.shape.as_ptr().cast::<i64>(), n) };
     let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);
     // SAFETY: numpy's own description of the array's memory, which the owner keeps alive.
     let t = unsafe {
@@ -204,8 +198,8 @@ fn from_numpy(obj: &Bound<'_, PyAny>, p: super::numpy::NumpyParts<'_>) -> PyResu
             p.data,
             Device::CPU,
             p.dtype,
-            shape,
-            Some(strides),
+            dims.shape(),
+            Some(dims.strides()),
             0,
             flags,
             super::PyOwner::new(obj),
