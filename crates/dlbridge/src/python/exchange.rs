@@ -41,10 +41,180 @@ pub struct ExchangeApi {
     api: &'static DLPackExchangeAPI,
     /// The address of the type the table belongs to.
     ty: usize,
-    /// Whether the type has torch's autograd and lazy-view state (`requires_grad`, `is_neg`),
-    /// which its table exports without looking at: checked per tensor, as torch's `__dlpack__`
-    /// would refuse (see [`ExchangeApi::managed_tensor`]).
-    torch_state: bool,
+    /// The type's torch state accessors (`requires_grad`, `is_neg`, `is_conj`), if it has them:
+    /// its table exports without looking at that state, so each tensor is checked as torch's
+    /// `__dlpack__` would refuse it (see [`ExchangeApi::managed_tensor`]).
+    torch_state: Option<TorchState>,
+}
+
+/// C entry points of torch's state accessors, found once per type (calling them directly skips
+/// the attribute lookup and the descriptor call, most of their cost).
+/// `None` where the accessor is not a plain C descriptor: then it is looked up and called by name.
+#[derive(Clone, Copy)]
+struct TorchState {
+    requires_grad: Option<Getter>,
+    is_neg: Option<Method>,
+    is_conj: Option<Method>,
+}
+
+/// A `getset_descriptor`'s C getter and closure.
+#[derive(Clone, Copy)]
+struct Getter {
+    get: ffi::getter,
+    closure: *mut c_void,
+}
+
+/// A `method_descriptor`'s C function and calling convention (no arguments are passed).
+#[derive(Clone, Copy)]
+struct Method {
+    meth: ffi::PyMethodDefPointer,
+    flags: c_int,
+}
+
+// SAFETY: function pointers into an extension module (never unloaded) and the closure value its
+// static `PyGetSetDef` holds; only ever called with the GIL held.
+unsafe impl Send for TorchState {}
+// SAFETY: as above; nothing is mutated through them.
+unsafe impl Sync for TorchState {}
+
+impl Getter {
+    /// The getter of `ty.name` if it is a plain `getset_descriptor`.
+    fn of(ty: &Bound<'_, pyo3::types::PyType>, name: &Bound<'_, pyo3::types::PyString>) -> Option<Self> {
+        let d = ty.getattr(name).ok()?;
+        // SAFETY: comparing type objects; a getset_descriptor has this layout.
+        unsafe {
+            if ffi::Py_TYPE(d.as_ptr()) != std::ptr::addr_of_mut!(ffi::PyGetSetDescr_Type)
+                || !serves_type(ty, d.as_ptr())
+            {
+                return None;
+            }
+            let def = (*d.as_ptr().cast::<ffi::PyGetSetDescrObject>()).d_getset;
+            Some(Self { get: (*def).get?, closure: (*def).closure })
+        }
+    }
+
+    /// `get(obj)`: a new reference, or an error.
+    fn call<'py>(&self, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        // SAFETY: the getter of `obj`'s own type (the caller checked `serves`), with its closure,
+        // the GIL held; a new reference or NULL with an exception set.
+        unsafe { Bound::from_owned_ptr_or_err(obj.py(), (self.get)(obj.as_ptr(), self.closure)) }
+    }
+}
+
+impl Method {
+    /// The C function of `ty.name` if it is a plain `method_descriptor` of a convention that can be
+    /// called with no arguments.
+    fn of(ty: &Bound<'_, pyo3::types::PyType>, name: &Bound<'_, pyo3::types::PyString>) -> Option<Self> {
+        let d = ty.getattr(name).ok()?;
+        // SAFETY: comparing type objects; a method_descriptor has this layout.
+        unsafe {
+            if ffi::Py_TYPE(d.as_ptr()) != std::ptr::addr_of_mut!(ffi::PyMethodDescr_Type)
+                || !serves_type(ty, d.as_ptr())
+            {
+                return None;
+            }
+            let def = (*d.as_ptr().cast::<ffi::PyMethodDescrObject>()).d_method;
+            let flags = (*def).ml_flags;
+            let plain = [
+                ffi::METH_NOARGS,
+                ffi::METH_VARARGS,
+                ffi::METH_VARARGS | ffi::METH_KEYWORDS,
+                ffi::METH_FASTCALL,
+                ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+            ];
+            plain.contains(&flags).then_some(Self { meth: (*def).ml_meth, flags })
+        }
+    }
+
+    /// `obj.method()`: whether it returned True.
+    fn is_true(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let py = obj.py();
+        let o = obj.as_ptr();
+        // SAFETY: the method of `obj`'s own type (the caller checked `serves`), called as its
+        // `ml_flags` convention says with no arguments, the GIL held; each union field read is
+        // the one that convention uses; a new reference or NULL with an exception set.
+        let r = unsafe {
+            let m = self.meth;
+            match self.flags {
+                f if f == ffi::METH_NOARGS => (m.PyCFunction)(o, std::ptr::null_mut()),
+                f if f == ffi::METH_VARARGS => (m.PyCFunction)(o, empty_tuple(py).as_ptr()),
+                f if f == ffi::METH_VARARGS | ffi::METH_KEYWORDS => {
+                    (m.PyCFunctionWithKeywords)(o, empty_tuple(py).as_ptr(), std::ptr::null_mut())
+                }
+                f if f == ffi::METH_FASTCALL => (m.PyCFunctionFast)(o, std::ptr::null_mut(), 0),
+                _ => (m.PyCFunctionFastWithKeywords)(o, std::ptr::null_mut(), 0, std::ptr::null_mut()),
+            }
+        };
+        // SAFETY: as above.
+        let r = unsafe { Bound::from_owned_ptr_or_err(py, r) }?;
+        // SAFETY: comparing with the True singleton.
+        Ok(r.as_ptr() == unsafe { ffi::Py_True() })
+    }
+}
+
+/// Whether the descriptor `d` was defined by `ty` or one of its bases (so its C function accepts
+/// `ty`'s instances without the type check calling through the descriptor would make).
+///
+/// # Safety
+///
+/// `d` is a live descriptor object (`PyDescr_COMMON` layout).
+unsafe fn serves_type(ty: &Bound<'_, pyo3::types::PyType>, d: *mut ffi::PyObject) -> bool {
+    // SAFETY: the caller's promise; d_type is the defining class, or NULL.
+    let owner = unsafe { (*d.cast::<ffi::PyDescrObject>()).d_type };
+    // SAFETY: two live type objects.
+    !owner.is_null() && unsafe { ffi::PyType_IsSubtype(ty.as_type_ptr(), owner) } != 0
+}
+
+/// `()`, CPython's shared empty tuple.
+fn empty_tuple(py: Python<'_>) -> Bound<'_, pyo3::types::PyTuple> {
+    pyo3::types::PyTuple::empty(py)
+}
+
+impl TorchState {
+    /// The accessors, if `ty` has torch's state (`requires_grad` and `is_neg`).
+    fn of(ty: &Bound<'_, pyo3::types::PyType>) -> Option<Self> {
+        let py = ty.py();
+        let (rg, neg, conj) = (intern!(py, "requires_grad"), intern!(py, "is_neg"), intern!(py, "is_conj"));
+        if !ty.hasattr(rg).unwrap_or(false) || !ty.hasattr(neg).unwrap_or(false) {
+            return None;
+        }
+        Some(Self {
+            requires_grad: Getter::of(ty, rg),
+            is_neg: Method::of(ty, neg),
+            is_conj: Method::of(ty, conj),
+        })
+    }
+
+    fn requires_grad(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let r = match &self.requires_grad {
+            Some(g) => g.call(obj)?,
+            None => obj.getattr(intern!(obj.py(), "requires_grad"))?,
+        };
+        // SAFETY: comparing with the True singleton.
+        Ok(r.as_ptr() == unsafe { ffi::Py_True() })
+    }
+
+    fn call(
+        method: Option<&Method>,
+        obj: &Bound<'_, PyAny>,
+        name: &Bound<'_, pyo3::types::PyString>,
+    ) -> PyResult<bool> {
+        match method {
+            Some(m) => m.is_true(obj),
+            None => match obj.getattr_opt(name)? {
+                Some(f) => f.call0()?.is_truthy(),
+                None => Ok(false),
+            },
+        }
+    }
+
+    fn is_neg(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Self::call(self.is_neg.as_ref(), obj, intern!(obj.py(), "is_neg"))
+    }
+
+    fn is_conj(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Self::call(self.is_conj.as_ref(), obj, intern!(obj.py(), "is_conj"))
+    }
 }
 
 impl ExchangeApi {
@@ -89,10 +259,7 @@ impl ExchangeApi {
     ) -> Option<Self> {
         // SAFETY: the caller's promise.
         let api = unsafe { Self::validate_table(header) }?;
-        let py = ty.py();
-        let torch_state = ty.hasattr(intern!(py, "requires_grad")).unwrap_or(false)
-            && ty.hasattr(intern!(py, "is_neg")).unwrap_or(false);
-        Some(Self { api, ty: ty.as_type_ptr() as usize, torch_state })
+        Some(Self { api, ty: ty.as_type_ptr() as usize, torch_state: TorchState::of(ty) })
     }
 
     /// Walks the header chain to a major-1 table whose required functions are all present.
@@ -169,8 +336,8 @@ impl ExchangeApi {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
         }
-        if self.torch_state {
-            refuse_requires_grad(obj)?;
+        if let Some(state) = &self.torch_state {
+            refuse_requires_grad(obj, state)?;
         }
         let f = self.api.managed_tensor_from_py_object_no_sync.expect("checked non-NULL");
         let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
@@ -191,7 +358,7 @@ impl ExchangeApi {
             // SAFETY: as above; nothing was taken (NULL is refused without being read).
             None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
         };
-        refuse_lazy_views(obj, mt.dtype(), self.torch_state)?;
+        refuse_lazy_views(obj, mt.dtype(), self.torch_state.as_ref())?;
         Ok(Ok(mt))
     }
 
@@ -205,8 +372,8 @@ impl ExchangeApi {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
         }
-        if self.torch_state {
-            refuse_requires_grad(obj)?;
+        if let Some(state) = &self.torch_state {
+            refuse_requires_grad(obj, state)?;
         }
         let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
         let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
@@ -218,22 +385,16 @@ impl ExchangeApi {
         }
         // SAFETY: filled by a successful call (and zeroed before it).
         let t = unsafe { t.assume_init() };
-        refuse_lazy_views(obj, DataType::from(t.dtype), self.torch_state)?;
+        refuse_lazy_views(obj, DataType::from(t.dtype), self.torch_state.as_ref())?;
         Ok(Some(t))
     }
 }
 
 /// torch's `__dlpack__` refuses a tensor that requires grad ("use tensor.detach()"); its table
-/// does not look. One attribute read (`requires_grad`, a C getter) per import.
+/// does not look. One C getter call per import.
 #[inline]
-fn refuse_requires_grad(obj: &Bound<'_, PyAny>) -> PyResult<()> {
-    let py = obj.py();
-    // SAFETY: a live object and an interned name; a new reference or NULL with an error set.
-    let r = unsafe { pyo3::ffi::PyObject_GetAttr(obj.as_ptr(), intern!(py, "requires_grad").as_ptr()) };
-    // SAFETY: as above.
-    let r = unsafe { Bound::from_owned_ptr_or_err(py, r) }?;
-    // SAFETY: comparing with the True singleton.
-    if r.as_ptr() == unsafe { pyo3::ffi::Py_True() } {
+fn refuse_requires_grad(obj: &Bound<'_, PyAny>, state: &TorchState) -> PyResult<()> {
+    if state.requires_grad(obj)? {
         return Err(PyBufferError::new_err(
             "requires_grad: can't export tensors that require gradient (as torch's __dlpack__ refuses); \
              use tensor.detach()",
@@ -246,31 +407,17 @@ fn refuse_requires_grad(obj: &Bound<'_, PyAny>) -> PyResult<()> {
 /// values before conjugation or negation, and the table (and, for the negative bit, even torch's
 /// own `__dlpack__`) exports them as if the memory held the result, so the reader would see
 /// wrong values. Complex tensors can carry both bits, real ones (`z.conj().imag`) the negative one:
-/// a method call per torch import, and a second one for complex tensors.
+/// one C call per torch import, a second for complex tensors.
 #[inline]
-fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType, torch_state: bool) -> PyResult<()> {
-    if !torch_state {
-        return Ok(());
-    }
-    if is_true(obj, intern!(obj.py(), "is_neg"))? {
+fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType, state: Option<&TorchState>) -> PyResult<()> {
+    let Some(state) = state else { return Ok(()) };
+    if state.is_neg(obj)? {
         return Err(lazy_view_error("is_neg", "the negative bit set", "resolve_neg"));
     }
-    if dtype.code() == crate::dtype::TypeCode::COMPLEX && is_true(obj, intern!(obj.py(), "is_conj"))? {
+    if dtype.code() == crate::dtype::TypeCode::COMPLEX && state.is_conj(obj)? {
         return Err(lazy_view_error("is_conj", "the conjugate bit set", "resolve_conj"));
     }
     Ok(())
-}
-
-/// Whether `obj.method()` returns True.
-#[inline]
-fn is_true(obj: &Bound<'_, PyAny>, method: &Bound<'_, pyo3::types::PyString>) -> PyResult<bool> {
-    let py = obj.py();
-    // SAFETY: a live object and name; a new reference or NULL with an error set.
-    let r = unsafe { pyo3::ffi::PyObject_CallMethodNoArgs(obj.as_ptr(), method.as_ptr()) };
-    // SAFETY: as above.
-    let r = unsafe { Bound::from_owned_ptr_or_err(py, r) }?;
-    // SAFETY: comparing with the True singleton.
-    Ok(r.as_ptr() == unsafe { pyo3::ffi::Py_True() })
 }
 
 #[cold]
