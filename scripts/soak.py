@@ -76,6 +76,23 @@ def main() -> int:
 
     paths["C exchange API (dlbridge's table): export + deleter"] = exchange
 
+    def failing(call):
+        def once() -> None:
+            try:
+                call()
+            except (TypeError, ValueError, BufferError):
+                pass
+        return once
+
+    t_err = dlbridge.asdlpack(b"ab")
+    used = a.__dlpack__()
+    dlbridge.from_dlpack(used)  # consumed: every later import of it is refused
+    # Error paths: each refusal must leave nothing behind (they used to park objects in PyO3's pool).
+    paths["error: asdlpack(5) -> TypeError"] = failing(lambda: dlbridge.asdlpack(5))
+    paths["error: from_dlpack(object()) -> TypeError"] = failing(lambda: dlbridge.from_dlpack(object()))
+    paths["error: Tensor.__dlpack__(stream=0) -> ValueError"] = failing(lambda: t_err.__dlpack__(stream=0, dl_device=(2, 0)))
+    paths["error: from_dlpack(consumed capsule) -> ValueError"] = failing(lambda: dlbridge.from_dlpack(used))
+
     failed = 0
     print(f"{'path':<62} {'calls':>9} {'seconds':>8} {'RSS growth':>12}")
     for name, f in paths.items():

@@ -106,7 +106,7 @@ def test_no_extension_writes_what_another_is_reading() -> None:
 def test_the_registry_is_shared_through_one_capsule() -> None:
     dlbridge_scale = _second_extension()
 
-    dlbridge_scale.total(dlbridge.asdlpack(bytes(8)))  # both modules have run
+    dlbridge_scale.total(dlbridge.asdlpack(memoryview(bytes(8)).cast("d")))  # both modules have run
     cap = sys._dlbridge_borrow_registry_v1
     assert "dlbridge.borrow_registry.v1" in repr(cap)
 
