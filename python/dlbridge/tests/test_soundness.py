@@ -25,17 +25,21 @@ def _second_extension():
     return pytest.importorskip("dlbridge_scale", reason="needs examples/scale installed (make test does)")
 
 
-def _churn_the_stack(depth: int = 200) -> int:
-    """Deep Python and C recursion with live locals: overwrites stack slots a dead `Py_buffer` used."""
-    pad = [depth] * 8
-    return depth if depth == 0 else _churn_the_stack(depth - 1) + len(repr(pad)) * 0
+def _churn_the_stack(depth: int = 300) -> int:
+    """Deep C recursion (repr of a nested list) with large live values: overwrites the C stack
+    slots a dead `Py_buffer` used (Python-to-Python calls no longer recurse on the C stack)."""
+    nested: list = []
+    for _ in range(depth):
+        nested = [nested, 12345678901234567890]
+    return len(repr(nested))
 
 
 @hooks
 @pytest.mark.parametrize("make", [lambda: b"abc", lambda: bytearray(b"abc"), lambda: memoryview(b"abc")])
 def test_a_view_of_a_fill_info_exporter_keeps_its_shape(make) -> None:
     # bytes / bytearray point the buffer's shape at its own `len` field: the view used to copy the
-    # Py_buffer off the stack, so shape() read a dead slot once the stack was reused.
+    # Py_buffer off the stack, so shape() read a dead slot once the stack was reused (on b6eae83
+    # this churn made a 3-byte bytes object report shape [7984]).
     obj = make()
     seen = dlbridge._dlbridge._view_then(obj, _churn_the_stack)
     assert seen[1:] == ([3], [1], "uint8", not isinstance(obj, bytearray))
