@@ -44,6 +44,20 @@ def need(name: str) -> Any:
     return mod
 
 
+class Delegate:
+    """A pure-Python DLPack producer over another object's protocol methods: dlbridge takes its
+    protocol path (no numpy or exchange-table fast path). Subclass it for a class of your own."""
+
+    def __init__(self, a: Any) -> None:
+        self.a = a
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> Any:
+        return self.a.__dlpack_device__()
+
+
 def rss_bytes() -> int:
     """This process's resident memory."""
     with open("/proc/self/statm") as f:

@@ -12,7 +12,7 @@ import pytest
 import dlbridge
 
 from ._dlpack_ctypes import FakeVersionedCapsule, read_capsule
-from .libs import assert_no_growth, have, need
+from .libs import Delegate, assert_no_growth, have, need
 
 hooks = pytest.mark.hooks
 
@@ -142,18 +142,8 @@ def test_copy_true_is_writable_whoever_copied() -> None:
 def test_stream_goes_only_to_device_producers() -> None:
     np = need("numpy")
 
-    class Wrapper:  # takes the protocol path (not numpy's struct path)
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
-
     a = np.arange(3.0)
-    for x in (a, Wrapper(a)):
+    for x in (a, Delegate(a)):  # numpy's struct path, and the protocol path
         assert dlbridge.from_dlpack(x, stream=-1).data_ptr == a.ctypes.data
         with pytest.raises(ValueError, match="stream 5 for a cpu tensor"):
             dlbridge.from_dlpack(x, stream=5)
@@ -218,15 +208,8 @@ def test_the_type_cache_hits_on_every_python() -> None:
     # lookups for 100 imports) and a legacy producer paid a failing keyword call every time.
     np = need("numpy")
 
-    class Producer:
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
+    class Producer(Delegate):  # a class of its own, for the cache to key on
+        pass
 
     a = np.arange(3.0)
     dlbridge.from_dlpack(Producer(a))

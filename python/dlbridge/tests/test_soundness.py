@@ -14,7 +14,7 @@ import pytest
 
 import dlbridge
 
-from .libs import need
+from .libs import Delegate, need
 
 hooks = pytest.mark.hooks
 
