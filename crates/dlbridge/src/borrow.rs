@@ -107,8 +107,7 @@ unsafe extern "C" fn local_acquire(lo: usize, hi: usize, exclusive: c_int) -> c_
     let mut l = leases();
     // This copy switched to another registry after the caller read `ACTIVE` (the switch happens
     // under this lock): register there instead, so no lease lands in a registry nobody checks.
-    let active = ACTIVE.load(Ordering::Acquire);
-    if !active.is_null() && !std::ptr::eq(active, &LOCAL) {
+    if switched().is_some() {
         return 2;
     }
     if l.iter().any(|e| e.lo < hi && lo < e.hi && (exclusive || e.exclusive)) {
@@ -120,9 +119,27 @@ unsafe extern "C" fn local_acquire(lo: usize, hi: usize, exclusive: c_int) -> c_
 
 unsafe extern "C" fn local_release(lo: usize, hi: usize, exclusive: c_int) {
     let want = Entry { lo, hi, exclusive: exclusive != 0 };
-    let mut l = leases();
-    if let Some(i) = l.iter().rposition(|e| *e == want) {
-        l.swap_remove(i);
+    let (removed, shared) = {
+        let mut l = leases();
+        let removed = l.iter().rposition(|e| *e == want).map(|i| l.swap_remove(i)).is_some();
+        // Read under the lock: `use_shared` switches under it, so a switch seen here happened
+        // while this lease was live, and it was copied into the shared registry then.
+        (removed, switched())
+    };
+    if let (true, Some(api)) = (removed, shared) {
+        // SAFETY: the table `use_shared` was promised; the lease it holds for this one.
+        unsafe { (api.release)(lo, hi, exclusive) }
+    }
+}
+
+/// The other copy's registry this one joined, if it has.
+fn switched() -> Option<&'static RegistryApi> {
+    let active = ACTIVE.load(Ordering::Acquire);
+    if active.is_null() || std::ptr::eq(active, &LOCAL) {
+        None
+    } else {
+        // SAFETY: only `use_shared` stores here, and it stores a process-lifetime table.
+        Some(unsafe { &*active })
     }
 }
 
@@ -143,18 +160,36 @@ fn active() -> &'static RegistryApi {
     }
 }
 
-/// Makes this copy of the crate register its leases in `api` from now on, if it holds none in its
-/// own registry (then every lease it ever takes is checked against the shared ones); returns
-/// whether it switched. The switch happens under the own registry's lock, so no lease can slip
-/// into it meanwhile.
+/// Makes this copy of the crate register its leases in `api` from now on; returns whether it
+/// switched. Leases live in the own registry are copied into `api` first (each is then released in
+/// both, see `local_release`), so every lease of this copy is checked against the shared ones from
+/// the switch on; if one conflicts there, nothing is copied and the copy stays on its own registry.
+/// It all happens under the own registry's lock, so no lease can slip in or out meanwhile.
 ///
 /// # Safety
 ///
 /// `api` is a table of [`RegistryApi::VERSION`] whose functions behave as documented and live for
 /// the rest of the process (another copy of this crate's [`LOCAL`]).
 pub unsafe fn use_shared(api: &'static RegistryApi) -> bool {
+    if std::ptr::eq(api, &LOCAL) {
+        // Our own table (published by this copy): nothing to join.
+        return true;
+    }
     let l = leases();
-    if !l.is_empty() {
+    let mut copied = 0;
+    for e in l.iter() {
+        // SAFETY: the caller's promise about `api`; a different registry (checked above), so its
+        // lock is not the one held here.
+        if unsafe { (api.acquire)(e.lo, e.hi, c_int::from(e.exclusive)) } != 0 {
+            break;
+        }
+        copied += 1;
+    }
+    if copied < l.len() {
+        for e in &l[..copied] {
+            // SAFETY: as above; releasing exactly what was just registered.
+            unsafe { (api.release)(e.lo, e.hi, c_int::from(e.exclusive)) }
+        }
         return false;
     }
     ACTIVE.store(std::ptr::from_ref(api).cast_mut(), Ordering::Release);
@@ -235,6 +270,49 @@ mod tests {
         let _next = Lease::acquire(b + 21, b + 22, true).unwrap();
         drop((r1, w));
         let _all = Lease::acquire(b, b + 21, true).unwrap();
+    }
+
+    /// Another copy's registry, as a second extension module would publish it.
+    static OTHER: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+    unsafe extern "C" fn other_acquire(lo: usize, hi: usize, exclusive: c_int) -> c_int {
+        let exclusive = exclusive != 0;
+        let mut l = OTHER.lock().unwrap();
+        if l.iter().any(|e| e.lo < hi && lo < e.hi && (exclusive || e.exclusive)) {
+            return 1;
+        }
+        l.push(Entry { lo, hi, exclusive });
+        0
+    }
+
+    unsafe extern "C" fn other_release(lo: usize, hi: usize, exclusive: c_int) {
+        let want = Entry { lo, hi, exclusive: exclusive != 0 };
+        let mut l = OTHER.lock().unwrap();
+        if let Some(i) = l.iter().rposition(|e| *e == want) {
+            l.swap_remove(i);
+        }
+    }
+
+    static OTHER_API: RegistryApi =
+        RegistryApi { version: RegistryApi::VERSION, acquire: other_acquire, release: other_release };
+
+    #[test]
+    fn joining_another_registry_carries_live_leases_over() {
+        let b = BASE + 8192;
+        // Held in this copy's own registry before it joins (other tests may hold some too).
+        let held = Lease::acquire(b, b + 8, true).unwrap();
+        // Another copy already holds a lease elsewhere.
+        // SAFETY: a live table of this version.
+        assert_eq!(unsafe { other_acquire(b + 100, b + 108, 1) }, 0);
+        // SAFETY: a process-lifetime table of this version that behaves as documented.
+        assert!(unsafe { use_shared(&OTHER_API) });
+        // The carried-over lease conflicts with new ones, now checked in the shared registry...
+        assert!(Lease::acquire(b + 4, b + 5, false).is_err());
+        assert!(Lease::acquire(b + 100, b + 101, false).is_err());
+        // ...and releasing it frees it in both.
+        drop(held);
+        assert!(OTHER.lock().unwrap().iter().all(|e| e.lo != b));
+        let _again = Lease::acquire(b, b + 8, true).unwrap();
     }
 
     #[test]

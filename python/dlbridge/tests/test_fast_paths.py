@@ -12,7 +12,7 @@ import pytest
 import dlbridge
 from dlbridge import _dlbridge
 
-from ._dlpack_ctypes import DLManagedTensorVersioned, DLPackVersion, DLTensor, DLDevice, DLDataType
+from ._dlpack_ctypes import DLManagedTensorVersioned, DLPackVersion, DLTensor, DLDevice, DLDataType, FakeVersionedCapsule
 from .libs import need
 
 Ptr = ctypes.c_void_p
@@ -92,6 +92,33 @@ def test_exchange_borrowed_dltensor_refuses_read_only_tensors() -> None:
     assert dlbridge_table().managed_tensor_from_py_object_no_sync(ro, ctypes.byref(out)) == 0
     assert out.contents.flags & 1  # READ_ONLY
     out.contents.deleter(out)
+
+
+def test_exchange_borrowed_dltensor_refuses_padded_sub_byte_tensors() -> None:
+    # A borrowed DLTensor cannot say IS_SUBBYTE_TYPE_PADDED: a consumer would read 8 padded float4
+    # bytes as 4 packed ones (other values, half the memory).
+    t = dlbridge.from_dlpack(FakeVersionedCapsule(shape=(8,), strides=(1,), dtype=(17, 4, 1), flags=4))
+    with pytest.raises(BufferError, match="padded"):
+        dlbridge_table().dltensor_from_py_object_no_sync(t, ctypes.byref(DLTensor()))
+    out = ManagedPtr()
+    assert dlbridge_table().managed_tensor_from_py_object_no_sync(t, ctypes.byref(out)) == 0
+    assert out.contents.flags & 4  # the owning form carries the flag
+    out.contents.deleter(out)
+
+
+def test_exchange_refuses_tensors_whose_producer_queues_on_a_stream() -> None:
+    # A no-sync export cannot wait for the producer's CUDA stream; __dlpack__(stream=) can.
+    class FakeCuda:  # a made-up device pointer, never dereferenced
+        __cuda_array_interface__ = {
+            "shape": (2,), "typestr": "<f4", "data": (0x7F00_0000_0000, False), "version": 3,
+            "strides": None, "stream": 0x1234,
+        }
+
+    t = dlbridge.asdlpack(FakeCuda(), device_id=0)
+    with pytest.raises(BufferError, match="stream 0x1234"):
+        dlbridge_table().managed_tensor_from_py_object_no_sync(t, ctypes.byref(ManagedPtr()))
+    with pytest.raises(BufferError, match="stream 0x1234"):
+        dlbridge_table().dltensor_from_py_object_no_sync(t, ctypes.byref(DLTensor()))
 
 
 def test_exchange_allocator_and_stream() -> None:

@@ -239,3 +239,53 @@ def test_the_type_cache_hits_on_every_python() -> None:
     for _ in range(10):
         dlbridge.from_dlpack(Producer(a))
     assert dlbridge._dlbridge._type_cache_misses() - before == 1
+
+
+def test_a_negated_torch_tensor_is_refused_on_the_protocol_path_too() -> None:
+    # With stream= (or for device tensors) torch's own __dlpack__ is called, which exports the
+    # negative bit with the wrong sign; a copy resolves it.
+    torch = need("torch")
+    np = need("numpy")
+    im = torch.tensor([1 + 2j, 3 + 4j]).conj().imag  # shows [-2, -4], memory holds [2, 4]
+    with pytest.raises(BufferError, match="resolve_neg"):
+        dlbridge.from_dlpack(im, stream=-1)
+    assert np.from_dlpack(dlbridge.from_dlpack(im, copy=True)).tolist() == [-2.0, -4.0]
+
+
+def test_copy_true_never_swallows_an_interrupt() -> None:
+    calls = []
+
+    class Interrupted:
+        def __dlpack__(self, **kw):
+            calls.append(kw.get("copy"))
+            if kw.get("copy"):
+                raise KeyboardInterrupt
+            return need("numpy").arange(3.0).__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with pytest.raises(KeyboardInterrupt):
+        dlbridge.from_dlpack(Interrupted(), copy=True)
+    assert calls == [True]
+
+
+def test_an_error_raised_while_python_shuts_down_does_not_abort() -> None:
+    # An entry point raising from a __del__ run during interpreter finalization used to make PyO3
+    # panic inside an extern "C" function: the process aborted (SIGABRT).
+    import subprocess
+
+    code = (
+        "import dlbridge\n"
+        "class Late:\n"
+        "    def __del__(self):\n"
+        "        try:\n"
+        "            dlbridge.from_dlpack(42)\n"
+        "        except TypeError:\n"
+        "            print('refused at shutdown')\n"
+        "late = Late()\n"
+        "print('main done')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["main", "done", "refused", "at", "shutdown"], r.stdout

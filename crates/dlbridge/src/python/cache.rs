@@ -30,6 +30,8 @@ pub struct TypeInfo {
     pub numpy: bool,
     /// Whether its `__dlpack__` was seen to reject the 2023 keywords (a legacy producer).
     pub legacy: bool,
+    /// torch's state accessors, if the type has them (checked on every path, the protocol too).
+    pub torch: Option<&'static super::exchange::TorchState>,
 }
 
 const CAPACITY: usize = 32;
@@ -101,6 +103,7 @@ fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
         },
         dlpack: dlpack.is_some(),
         legacy: false,
+        torch: super::exchange::TorchState::of(ty),
     };
     // The lookups above assign a version tag if the type had none yet.
     let (addr, tag) = key(ty);

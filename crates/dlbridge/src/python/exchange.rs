@@ -44,14 +44,14 @@ pub struct ExchangeApi {
     /// The type's torch state accessors (`requires_grad`, `is_neg`, `is_conj`), if it has them:
     /// its table exports without looking at that state, so each tensor is checked as torch's
     /// `__dlpack__` would refuse it (see [`ExchangeApi::managed_tensor`]).
-    torch_state: Option<TorchState>,
+    torch_state: Option<&'static TorchState>,
 }
 
 /// C entry points of torch's state accessors, found once per type (calling them directly skips
 /// the attribute lookup and the descriptor call, most of their cost).
 /// `None` where the accessor is not a plain C descriptor: then it is looked up and called by name.
 #[derive(Clone, Copy)]
-struct TorchState {
+pub(crate) struct TorchState {
     requires_grad: Option<Getter>,
     is_neg: Option<Method>,
     is_conj: Option<Method>,
@@ -171,8 +171,37 @@ fn empty_tuple(py: Python<'_>) -> Bound<'_, pyo3::types::PyTuple> {
 }
 
 impl TorchState {
-    /// The accessors, if `ty` has torch's state (`requires_grad` and `is_neg`).
-    fn of(ty: &Bound<'_, pyo3::types::PyType>) -> Option<Self> {
+    /// The accessors of `ty`, if it has torch's state (`requires_grad` and `is_neg`): interned, so
+    /// the per-type caches hold one pointer (a handful of distinct sets exist in a process).
+    pub(crate) fn of(ty: &Bound<'_, pyo3::types::PyType>) -> Option<&'static Self> {
+        static INTERNED: std::sync::Mutex<Vec<&'static TorchState>> = std::sync::Mutex::new(Vec::new());
+        let state = Self::find(ty)?;
+        let key = state.key();
+        let mut all = INTERNED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = all.iter().find(|s| s.key() == key) {
+            return Some(found);
+        }
+        let leaked: &'static Self = Box::leak(Box::new(state));
+        all.push(leaked);
+        Some(leaked)
+    }
+
+    /// What identifies a set of accessors (their C entry points).
+    fn key(&self) -> [usize; 6] {
+        let g = self.requires_grad.map_or((0, 0), |g| (g.get as usize, g.closure as usize));
+        let m = |m: Option<Method>| {
+            m.map_or((0, 0), |m| {
+                // SAFETY: every field of the union is a function pointer of the same size; read as
+                // one only to compare addresses, never called.
+                let f = unsafe { m.meth.PyCFunction };
+                (f as usize, m.flags as usize)
+            })
+        };
+        let (n, c) = (m(self.is_neg), m(self.is_conj));
+        [g.0, g.1, n.0, n.1, c.0, c.1]
+    }
+
+    fn find(ty: &Bound<'_, pyo3::types::PyType>) -> Option<Self> {
         let py = ty.py();
         let (rg, neg, conj) = (intern!(py, "requires_grad"), intern!(py, "is_neg"), intern!(py, "is_conj"));
         if !ty.hasattr(rg).unwrap_or(false) || !ty.hasattr(neg).unwrap_or(false) {
@@ -336,7 +365,7 @@ impl ExchangeApi {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
         }
-        if let Some(state) = &self.torch_state {
+        if let Some(state) = self.torch_state {
             refuse_requires_grad(obj, state)?;
         }
         let f = self.api.managed_tensor_from_py_object_no_sync.expect("checked non-NULL");
@@ -358,7 +387,7 @@ impl ExchangeApi {
             // SAFETY: as above; nothing was taken (NULL is refused without being read).
             None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
         };
-        refuse_lazy_views(obj, mt.dtype(), self.torch_state.as_ref())?;
+        refuse_lazy_views(obj, mt.dtype(), self.torch_state)?;
         Ok(Ok(mt))
     }
 
@@ -372,7 +401,7 @@ impl ExchangeApi {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
         }
-        if let Some(state) = &self.torch_state {
+        if let Some(state) = self.torch_state {
             refuse_requires_grad(obj, state)?;
         }
         let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
@@ -385,7 +414,7 @@ impl ExchangeApi {
         }
         // SAFETY: filled by a successful call (and zeroed before it).
         let t = unsafe { t.assume_init() };
-        refuse_lazy_views(obj, DataType::from(t.dtype), self.torch_state.as_ref())?;
+        refuse_lazy_views(obj, DataType::from(t.dtype), self.torch_state)?;
         Ok(Some(t))
     }
 }
@@ -411,11 +440,20 @@ fn refuse_requires_grad(obj: &Bound<'_, PyAny>, state: &TorchState) -> PyResult<
 #[inline]
 fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType, state: Option<&TorchState>) -> PyResult<()> {
     let Some(state) = state else { return Ok(()) };
-    if state.is_neg(obj)? {
-        return Err(lazy_view_error("is_neg", "the negative bit set", "resolve_neg"));
-    }
+    refuse_negative_bit(obj, state)?;
     if dtype.code() == crate::dtype::TypeCode::COMPLEX && state.is_conj(obj)? {
         return Err(lazy_view_error("is_conj", "the conjugate bit set", "resolve_conj"));
+    }
+    Ok(())
+}
+
+/// The negative-bit refusal alone: what the protocol path needs too, since torch's own
+/// `__dlpack__` refuses the conjugate bit and `requires_grad` but exports a negated tensor with
+/// the wrong sign.
+#[inline]
+pub(crate) fn refuse_negative_bit(obj: &Bound<'_, PyAny>, state: &TorchState) -> PyResult<()> {
+    if state.is_neg(obj)? {
+        return Err(lazy_view_error("is_neg", "the negative bit set", "resolve_neg"));
     }
     Ok(())
 }
@@ -535,6 +573,10 @@ unsafe extern "C" fn from_py_object_no_sync(
         super::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
+    if let Some(e) = t.get().unsynchronised_export_refusal() {
+        super::fastcall::raise(e);
+        return -1;
+    }
     let p = t.get().shared().export_versioned();
     // SAFETY: the consumer's writable out-pointer.
     unsafe { *out = p.as_ptr() };
@@ -581,13 +623,25 @@ unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out
         super::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
+    if let Some(e) = t.get().unsynchronised_export_refusal() {
+        super::fastcall::raise(e);
+        return -1;
+    }
     let inner: &Arc<ManagedTensor> = t.get().shared();
-    if inner.is_read_only() {
-        // A borrowed DLTensor has no flags: a consumer would take the memory as writable.
-        super::fastcall::raise(PyBufferError::new_err(
-            "dltensor_from_py_object_no_sync: the tensor is read-only, which a borrowed DLTensor \
-             cannot say; use managed_tensor_from_py_object_no_sync",
-        ));
+    // A borrowed DLTensor has no flags: a consumer would take read-only memory as writable, and
+    // padded sub-byte elements as packed (reading other values, over half the memory).
+    let flagged = if inner.is_read_only() {
+        Some("read-only")
+    } else if inner.flags().is_subbyte_padded() && inner.dtype().bits() < 8 {
+        Some("sub-byte elements padded to a byte each")
+    } else {
+        None
+    };
+    if let Some(what) = flagged {
+        super::fastcall::raise(PyBufferError::new_err(format!(
+            "dltensor_from_py_object_no_sync: the tensor is {what}, which a borrowed DLTensor \
+             cannot say; use managed_tensor_from_py_object_no_sync"
+        )));
         return -1;
     }
     let mut d = *inner.dl_tensor();

@@ -135,8 +135,24 @@ pub(crate) unsafe fn parse<'a, 'py, const P: usize, const N: usize>(
 /// the type and value objects an error drops while being raised would then be parked in PyO3's
 /// deferred-decref pool until some later attach (about 170 bytes per error, without bound in a
 /// loop of failing calls). Only the error path pays for the guard.
+///
+/// The guard is only taken where that cannot go wrong: on a thread whose current thread state is
+/// its own `PyGILState` one (a recursive `PyGILState_Ensure`), and through `try_attach`, which
+/// declines during finalization. Otherwise (interpreter shutting down, a foreign thread state) the
+/// error is restored directly: correct, at worst a few objects left in PyO3's pool.
 pub(crate) fn raise(e: PyErr) {
-    Python::attach(|py| e.restore(py));
+    let mut e = Some(e);
+    if super::release::attached_here() {
+        let _ = Python::try_attach(|py| {
+            if let Some(e) = e.take() {
+                e.restore(py);
+            }
+        });
+    }
+    if let Some(e) = e {
+        // SAFETY: every caller runs with the GIL held (a CPython entry point or exchange function).
+        e.restore(unsafe { Python::assume_attached() });
+    }
 }
 
 /// Runs `f` as the body of a fastcall function: its object is returned as a new reference, its
@@ -145,20 +161,23 @@ pub(crate) fn run<'py>(
     _py: Python<'py>,
     f: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
 ) -> *mut ffi::PyObject {
-    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(obj)) => obj.into_ptr(),
-        Ok(Err(e)) => {
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match f() {
+        Ok(obj) => obj.into_ptr(),
+        Err(e) => {
             raise(e);
             std::ptr::null_mut()
         }
-        Err(payload) => {
-            let what = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
-            raise(PyRuntimeError::new_err(format!("dlbridge: internal error (panic): {what}")));
-            std::ptr::null_mut()
-        }
-    }
+    }));
+    outcome.unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        // Restored directly (not through `raise`, which could itself have panicked).
+        // SAFETY: called with the GIL held (CPython's calling convention).
+        PyRuntimeError::new_err(format!("dlbridge: internal error (panic): {what}"))
+            .restore(unsafe { Python::assume_attached() });
+        std::ptr::null_mut()
+    })
 }

@@ -58,6 +58,13 @@ fn rejects_keywords(py: Python<'_>, e: &PyErr) -> bool {
             && ["max_version", "dl_device", "copy", "stream"].iter().any(|k| msg.contains(k)))
 }
 
+/// Whether an error from `__dlpack__(copy=True)` may mean "this producer cannot copy" (tensorflow
+/// raises RuntimeError): an ordinary exception, not an interrupt, an exit or a MemoryError.
+fn cannot_copy(py: Python<'_>, e: &PyErr) -> bool {
+    e.is_instance_of::<pyo3::exceptions::PyException>(py)
+        && !e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py)
+}
+
 /// Reads `__dlpack_device__()`'s `(type, id)` result.
 fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
     let py = obj.py();
@@ -127,6 +134,13 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
     // Asked first, as the standard says (it is how a consumer picks a stream), and checked against
     // the capsule below. The hot producers (numpy, torch) never reach this path.
     let announced = producer_device(obj)?;
+    // torch's own __dlpack__ exports a lazily negated tensor as if its memory held the result
+    // (a copy resolves it): refused here as on the table path.
+    if let Some(state) = info.torch {
+        if opts.copy != Some(true) {
+            super::exchange::refuse_negative_bit(obj, state)?;
+        }
+    }
     // The standard: a consumer passes `stream` only for device memory (numpy refuses any other).
     let host_opts;
     let call_opts = match (&opts.stream, announced) {
@@ -154,7 +168,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
             }
             // A producer that cannot copy (tensorflow raises RuntimeError): dlbridge copies, from
             // the producer's own export; if that fails too, the producer's first word stands.
-            Err(e) if opts.copy == Some(true) => {
+            Err(e) if opts.copy == Some(true) && cannot_copy(py, &e) => {
                 match call_dlpack(obj, &ImportOptions { copy: None, ..call_opts.clone() }) {
                     Ok(c) => (c, true),
                     Err(_) => return Err(e),

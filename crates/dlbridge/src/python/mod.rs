@@ -191,7 +191,8 @@ fn join(py: Python<'_>) {
     }
     match try_join_borrow_registry(py) {
         Ok(true) => JOINED.store(true, std::sync::atomic::Ordering::Relaxed),
-        // This copy holds leases in its own registry: join at a later entry, once it holds none.
+        // A lease of this copy conflicts with one in the shared registry (the two already alias):
+        // nothing was joined; try again at a later entry.
         Ok(false) => {}
         Err(e) => {
             // A foreign object under the name: keep the crate's own registry (sound within this

@@ -47,6 +47,19 @@ impl Tensor {
         Self { inner: Arc::new(t), device_tuple: PyOnceLock::new(), producer_stream: stream }
     }
 
+    /// Why the exchange table's unsynchronised exports must refuse this tensor, if they must: one
+    /// whose producer queues work on a CUDA stream (`__cuda_array_interface__` v3) needs the
+    /// stream handshake that only `__dlpack__(stream=...)` makes (the table's consumer would read
+    /// before the producer's work is done).
+    pub(crate) fn unsynchronised_export_refusal(&self) -> Option<PyErr> {
+        self.producer_stream.map(|s| {
+            PyBufferError::new_err(format!(
+                "exchange API: the tensor's producer queues work on CUDA stream {s:#x}; a no-sync \
+                 export cannot wait for it, so use __dlpack__(stream=...)"
+            ))
+        })
+    }
+
     /// The shared tensor.
     pub fn shared(&self) -> &Arc<ManagedTensor> {
         &self.inner
