@@ -198,11 +198,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
 fn from_numpy(obj: &Bound<'_, PyAny>, p: super::numpy::NumpyParts<'_>) -> PyResult<Option<ManagedTensor>> {
     // Inline for up to 8 dimensions (no allocation), as every view and export keeps its dims.
     let mut dims = crate::dims::Dims::new();
-    let (shape, strides) = dims.resize(p.shape.len());
-    for (d, &s) in shape.iter_mut().zip(p.shape) {
-        *d = s as i64;
-    }
-    if !super::numpy::element_strides(&p, strides) {
+    if !super::numpy::fill_dims(&p, &mut dims) {
         return Ok(None);
     }
     let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);

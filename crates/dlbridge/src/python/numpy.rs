@@ -132,15 +132,13 @@ fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> Option<bool> {
     };
     let mut dims = crate::dims::Dims::new();
     let Ok(m) = super::protocols::read_view(held.view(), &mut dims) else { return None };
-    let item = p.dtype.itemsize().unwrap_or(1);
-    let mut strides = vec![0i64; p.strides.len()];
+    let mut from_struct = crate::dims::Dims::new();
     let same = held.view().buf == p.data
-        && dims.shape().iter().copied().eq(p.shape.iter().map(|&d| d as i64))
-        && element_strides(&p, &mut strides)
-        && dims.strides() == strides.as_slice()
+        && fill_dims(&p, &mut from_struct)
+        && (dims.shape(), dims.strides()) == (from_struct.shape(), from_struct.strides())
         && m.readonly == p.readonly
         && m.dtype == p.dtype
-        && item == held.view().itemsize as usize;
+        && p.dtype.itemsize() == usize::try_from(held.view().itemsize).ok();
     Some(same)
 }
 
@@ -217,9 +215,14 @@ pub fn fast_path_enabled() -> bool {
     NDARRAY.get().is_some_and(|&t| t != 0)
 }
 
-/// Byte strides as element strides (see [`crate::interface::element_strides`]); false when one is not
-/// a multiple of the item size (numpy's own DLPack path then refuses the array).
-pub fn element_strides(p: &NumpyParts<'_>, out: &mut [i64]) -> bool {
+/// The array's shape and element strides into `dims` (see [`crate::interface::element_strides`]):
+/// what both the owned import and the borrowed view take from the struct. False when a byte stride
+/// is not a multiple of the item size (numpy's own DLPack path then refuses the array).
+pub fn fill_dims(p: &NumpyParts<'_>, dims: &mut crate::dims::Dims) -> bool {
+    let (shape, strides) = dims.resize(p.shape.len());
+    for (d, &s) in shape.iter_mut().zip(p.shape) {
+        *d = s as i64;
+    }
     let item = p.dtype.itemsize().unwrap_or(1);
-    crate::interface::element_strides(p.strides.iter().map(|&b| b as i64), item, out).is_ok()
+    crate::interface::element_strides(p.strides.iter().map(|&b| b as i64), item, strides).is_ok()
 }

@@ -171,15 +171,11 @@ impl<'a> TensorView<'a> {
     /// item size (then DLPack describes the array, or refuses it, instead).
     fn numpy_block(p: super::numpy::NumpyParts<'_>) -> Option<Box<Borrow>> {
         let mut b = blank();
-        let n = p.shape.len();
-        let (shape, strides) = b.dims.resize(n);
-        for (d, &s) in shape.iter_mut().zip(p.shape) {
-            *d = s as i64;
-        }
-        if !super::numpy::element_strides(&p, strides) {
+        if !super::numpy::fill_dims(&p, &mut b.dims) {
             recycle(b);
             return None;
         }
+        let n = p.shape.len();
         b.tensor = DLTensor {
             data: p.data,
             device: Device::CPU.to_raw(),
