@@ -80,14 +80,9 @@ unsafe impl Sync for TorchState {}
 impl Getter {
     /// The getter of `ty.name` if it is a plain `getset_descriptor`.
     fn of(ty: &Bound<'_, pyo3::types::PyType>, name: &Bound<'_, pyo3::types::PyString>) -> Option<Self> {
-        let d = ty.getattr(name).ok()?;
-        // SAFETY: comparing type objects; a getset_descriptor has this layout.
+        let d = plain_descriptor(ty, name, std::ptr::addr_of_mut!(ffi::PyGetSetDescr_Type))?;
+        // SAFETY: a getset_descriptor (checked) has this layout and points to its PyGetSetDef.
         unsafe {
-            if ffi::Py_TYPE(d.as_ptr()) != std::ptr::addr_of_mut!(ffi::PyGetSetDescr_Type)
-                || !serves_type(ty, d.as_ptr())
-            {
-                return None;
-            }
             let def = (*d.as_ptr().cast::<ffi::PyGetSetDescrObject>()).d_getset;
             Some(Self { get: (*def).get?, closure: (*def).closure })
         }
@@ -105,14 +100,9 @@ impl Method {
     /// The C function of `ty.name` if it is a plain `method_descriptor` of a convention that can be
     /// called with no arguments.
     fn of(ty: &Bound<'_, pyo3::types::PyType>, name: &Bound<'_, pyo3::types::PyString>) -> Option<Self> {
-        let d = ty.getattr(name).ok()?;
-        // SAFETY: comparing type objects; a method_descriptor has this layout.
+        let d = plain_descriptor(ty, name, std::ptr::addr_of_mut!(ffi::PyMethodDescr_Type))?;
+        // SAFETY: a method_descriptor (checked) has this layout and points to its PyMethodDef.
         unsafe {
-            if ffi::Py_TYPE(d.as_ptr()) != std::ptr::addr_of_mut!(ffi::PyMethodDescr_Type)
-                || !serves_type(ty, d.as_ptr())
-            {
-                return None;
-            }
             let def = (*d.as_ptr().cast::<ffi::PyMethodDescrObject>()).d_method;
             let flags = (*def).ml_flags;
             let plain = [
@@ -152,17 +142,23 @@ impl Method {
     }
 }
 
-/// Whether the descriptor `d` was defined by `ty` or one of its bases (so its C function accepts
-/// `ty`'s instances without the type check calling through the descriptor would make).
-///
-/// # Safety
-///
-/// `d` is a live descriptor object (`PyDescr_COMMON` layout).
-unsafe fn serves_type(ty: &Bound<'_, pyo3::types::PyType>, d: *mut ffi::PyObject) -> bool {
-    // SAFETY: the caller's promise; d_type is the defining class, or NULL.
-    let owner = unsafe { (*d.cast::<ffi::PyDescrObject>()).d_type };
+/// `ty.name` if it is a descriptor of exactly the type `kind` (a getset or method descriptor)
+/// defined by `ty` or one of its bases, so its C function accepts `ty`'s instances without the
+/// type check calling through the descriptor would make.
+fn plain_descriptor<'py>(
+    ty: &Bound<'py, pyo3::types::PyType>,
+    name: &Bound<'py, pyo3::types::PyString>,
+    kind: *mut ffi::PyTypeObject,
+) -> Option<Bound<'py, PyAny>> {
+    let d = ty.getattr(name).ok()?;
+    if d.get_type_ptr() != kind {
+        return None;
+    }
+    // SAFETY: a getset or method descriptor (checked above) starts with `PyDescr_COMMON`; d_type
+    // is the defining class, or NULL.
+    let owner = unsafe { (*d.as_ptr().cast::<ffi::PyDescrObject>()).d_type };
     // SAFETY: two live type objects.
-    !owner.is_null() && unsafe { ffi::PyType_IsSubtype(ty.as_type_ptr(), owner) } != 0
+    (!owner.is_null() && unsafe { ffi::PyType_IsSubtype(ty.as_type_ptr(), owner) } != 0).then_some(d)
 }
 
 /// `()`, CPython's shared empty tuple.
@@ -347,10 +343,8 @@ impl ExchangeApi {
     /// holds other values than it shows (a lazily conjugated or negated view).
     #[inline]
     pub fn managed_tensor(&self, obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
-        match self.managed_tensor_or_table_error(obj)? {
-            Ok(mt) => Ok(mt),
-            Err(table_error) => Err(table_error),
-        }
+        // The table's own failure is this function's error as well.
+        self.managed_tensor_or_table_error(obj)?
     }
 
     /// [`ExchangeApi::managed_tensor`], with the table function's own failure apart (`Ok(Err)`),
