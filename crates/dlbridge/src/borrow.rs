@@ -94,7 +94,9 @@ struct Entry {
 
 /// The live leases of the crate's own registry. Few are live at once (one per guard), so a
 /// vector scanned under a mutex beats any tree; it keeps its capacity, so steady state allocates
-/// nothing. The lock is never held while calling out, so it cannot deadlock.
+/// nothing. The lock is held while calling out only in [`use_shared`], into the registry of the
+/// copy that published it, which never switches and so never calls back into this one: locks are
+/// always taken own-then-shared, so they cannot deadlock.
 static LEASES: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
 
 fn leases() -> std::sync::MutexGuard<'static, Vec<Entry>> {

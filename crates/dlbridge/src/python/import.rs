@@ -83,8 +83,7 @@ fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
 /// Imports any DLPack producer (or bare capsule) with the given options.
 pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<ManagedTensor> {
     let py = obj.py();
-    super::release::drain_queued(py);
-    super::share_borrow_registry(py);
+    super::enter(py);
     let plain =
         opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
     if plain {

@@ -82,7 +82,6 @@ unsafe extern "C" fn from_dlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython calls a function with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    release::drain_queued(py);
     fastcall::run(py, || {
         let names = [
             pyo3::intern!(py, "device"),
@@ -123,7 +122,6 @@ unsafe extern "C" fn asdlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython calls a function with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    release::drain_queued(py);
     fastcall::run(py, || {
         // SAFETY: CPython's fastcall arguments, alive for the call.
         let ([obj], [device_id]) = unsafe {
@@ -172,6 +170,14 @@ pub(crate) fn share_borrow_registry(py: Python<'_>) {
     if !JOINED.load(std::sync::atomic::Ordering::Relaxed) {
         join(py);
     }
+}
+
+/// What every import entry point does first, with the GIL: release what drops on threads without
+/// the GIL queued, and join the process (both one relaxed load when there is nothing to do).
+#[inline]
+pub(crate) fn enter(py: Python<'_>) {
+    release::drain_queued(py);
+    share_borrow_registry(py);
 }
 
 /// [`share_borrow_registry`] when this thread holds the GIL (typed access may run without it).

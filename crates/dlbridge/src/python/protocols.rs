@@ -81,6 +81,8 @@ pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult
     {
         return plain(from_dlpack_with(obj, &ImportOptions::default())?);
     }
+    // The DLPack producers above entered through from_dlpack_with; the other protocols here.
+    super::enter(py);
     // SAFETY: a type-slot check on a live object.
     if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
         return plain(from_buffer(obj)?);

@@ -109,7 +109,7 @@ impl<'a> TensorView<'a> {
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
     unsafe fn borrow_for(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        super::share_borrow_registry(obj.py());
+        super::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
@@ -198,7 +198,6 @@ impl<'a> TensorView<'a> {
     /// Every source but an exact numpy array.
     #[inline(never)]
     fn borrow_other(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        super::release::drain_queued(obj.py());
         if let Ok(t) = obj.cast_exact::<Tensor>() {
             let inner = t.get().shared();
             let mut b = blank();
