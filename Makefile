@@ -33,6 +33,7 @@ $(STAMP): python/requirements-test.txt
 develop: $(STAMP)
 	$(MATURIN) develop --quiet --features test-hooks
 	cd examples/scale && $(MATURIN) develop --quiet
+	cd examples/kernels && $(MATURIN) develop --quiet
 
 lint: $(STAMP)
 	$(CARGO) fmt --all -- --check
@@ -69,7 +70,7 @@ valgrind: develop
 
 # The Python tests ship inside the package: run them the way a user would, from outside the tree.
 py-test: develop
-	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/tests
+	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/examples/kernels/tests $(CURDIR)/tests
 	@echo "The shipped suite again, as if no array library were installed (it must skip, not fail):"
 	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes,tvm_ffi \
 	  $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge

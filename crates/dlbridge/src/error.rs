@@ -131,6 +131,9 @@ pub enum Error {
         /// What the tensor is ("float64 shape (3, 4) strides (1, 3) on cuda:0").
         found: String,
     },
+    /// A tensor that fails a kernel's stated requirements ([`crate::spec::Spec`]): which field
+    /// failed first, and the whole expected-against-found, to `match` on.
+    Mismatch(Box<crate::spec::Mismatch>),
 }
 
 /// Writes a slice like a Python tuple: `(3, 4)`, `(3,)`, `()`.
@@ -191,6 +194,7 @@ impl fmt::Display for Error {
                 write!(f, "buffer: layout needs {expected}, buffer has {found}")
             }
             Self::Incompatible { expected, found } => write!(f, "expected {expected}, got {found}"),
+            Self::Mismatch(m) => write!(f, "{m}"),
             Self::AlreadyBorrowed { start, end, exclusive } => write!(
                 f,
                 "memory {start:#x}..{end:#x}: already borrowed {} (a slice or view from another handle \

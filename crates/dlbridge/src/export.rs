@@ -558,6 +558,23 @@ impl ManagedTensor {
         export_versioned(Parts { device, ..self.parts() }, flags, Arc::clone(self))
     }
 
+    /// This tensor as an owning versioned struct for a consumer that takes ownership: its own
+    /// struct when it has one (no allocation), else a versioned struct over it (a legacy import).
+    #[cfg(feature = "python")]
+    pub(crate) fn into_versioned_raw(self) -> NonNull<DLManagedTensorVersioned> {
+        if self.is_versioned() {
+            match self.into_raw() {
+                crate::RawManagedTensor::Versioned(p) => {
+                    // SAFETY: into_raw hands out the live, non-NULL struct it owned.
+                    unsafe { NonNull::new_unchecked(p) }
+                }
+                crate::RawManagedTensor::Legacy(_) => unreachable!("checked versioned"),
+            }
+        } else {
+            Arc::new(self).export_versioned()
+        }
+    }
+
     /// [`ManagedTensor::export_legacy`] with the device the consumer asked for.
     #[cfg(feature = "python")]
     pub(crate) fn export_legacy_as(self: &Arc<Self>, device: Device) -> NonNull<DLManagedTensor> {

@@ -38,6 +38,7 @@ pub mod managed;
 pub mod ndarray;
 #[cfg(feature = "python")]
 pub mod python;
+pub mod spec;
 mod view;
 
 pub use device::{Device, DeviceType};

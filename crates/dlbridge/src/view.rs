@@ -27,6 +27,7 @@ use crate::error::{Error, Result, tuple};
 use crate::export::AlignedBuffer;
 use crate::layout;
 use crate::managed::ManagedTensor;
+use crate::spec::Order;
 
 /// A shared slice of a tensor's elements ([`ManagedTensor::as_slice`]): derefs to `[T]` and
 /// holds a shared lease on the memory (see [`crate::borrow`]) until it drops.
@@ -105,20 +106,29 @@ impl ManagedTensor {
         Lease::acquire(base.wrapping_add_signed(lo), base.wrapping_add_signed(hi), exclusive)
     }
 
-    /// Checks what a typed view needs: host memory, dtype `T`, C order (if `contiguous`),
-    /// writability (if `write`), alignment, and valid bytes for `T`.
-    fn check_typed<T: Element>(&self, contiguous: bool, write: bool) -> Result<()> {
+    /// Checks what a typed view needs: host memory, dtype `T`, compact in `order` (C or F; none
+    /// for [`Order::Any`]), writability (if `write`), alignment, and valid bytes for `T`.
+    fn check_typed<T: Element>(&self, order: Order, write: bool) -> Result<()> {
         let need = || {
             format!(
                 "{}{}{} host tensor",
                 T::DTYPE,
-                if contiguous { " C-contiguous" } else { "" },
+                match order {
+                    Order::C => " C-contiguous",
+                    Order::F => " F-contiguous",
+                    Order::Any => "",
+                },
                 if write { " writable" } else { "" }
             )
         };
+        let compact = match order {
+            Order::C => self.is_c_contiguous(),
+            Order::F => self.is_f_contiguous(),
+            Order::Any => true,
+        };
         let ok = self.is_host_accessible()
             && self.dtype() == T::DTYPE
-            && (!contiguous || self.is_c_contiguous())
+            && compact
             && !(write && self.is_read_only());
         if !ok {
             return Err(self.refuse(need()));
@@ -138,14 +148,28 @@ impl ManagedTensor {
     /// The slice holds a shared lease on the memory while it lives: [`Error::AlreadyBorrowed`]
     /// if another handle over the same memory holds a mutable slice or view of it.
     pub fn as_slice<T: Element>(&self) -> Result<SliceRef<'_, T>> {
-        self.check_typed::<T>(true, false)?;
+        self.slice_in::<T>(Order::C)
+    }
+
+    /// The elements as a mutable slice; as [`ManagedTensor::as_slice`], and refused for read-only
+    /// tensors. The slice holds an exclusive lease on the memory: [`Error::AlreadyBorrowed`] while
+    /// any slice or view of the same memory from another handle lives.
+    pub fn as_slice_mut<T: Element>(&mut self) -> Result<SliceMut<'_, T>> {
+        self.slice_mut_in::<T>(Order::C)
+    }
+
+    /// The elements in memory order, when the tensor is compact in `order` (C: row-major, F:
+    /// column-major): the one path of every shared slice.
+    pub(crate) fn slice_in<T: Element>(&self, order: Order) -> Result<SliceRef<'_, T>> {
+        self.check_typed::<T>(order, false)?;
         let lease = self.lease(false)?;
         if self.numel() == 0 {
             return Ok(SliceRef { slice: &[], _lease: lease });
         }
-        // SAFETY: host memory, compact, aligned, of dtype T, numel elements, validated span; kept
-        // alive by self for the borrow; no mutable access through dlbridge while the shared lease
-        // lives (and none through `self`, borrowed shared).
+        // SAFETY: host memory, compact (its first element is its lowest address), aligned, of
+        // dtype T, numel elements, validated span; kept alive by self for the borrow; no mutable
+        // access through dlbridge while the shared lease lives (and none through `self`, borrowed
+        // shared).
         let bytes = unsafe {
             std::slice::from_raw_parts(self.data_ptr().cast::<u8>(), self.numel() * size_of::<T>())
         };
@@ -157,17 +181,16 @@ impl ManagedTensor {
         Ok(SliceRef { slice, _lease: lease })
     }
 
-    /// The elements as a mutable slice; as [`ManagedTensor::as_slice`], and refused for read-only
-    /// tensors. The slice holds an exclusive lease on the memory: [`Error::AlreadyBorrowed`] while
-    /// any slice or view of the same memory from another handle lives.
-    pub fn as_slice_mut<T: Element>(&mut self) -> Result<SliceMut<'_, T>> {
-        self.check_typed::<T>(true, true)?;
+    /// [`ManagedTensor::slice_in`], mutable: the one path of every mutable slice.
+    pub(crate) fn slice_mut_in<T: Element>(&mut self, order: Order) -> Result<SliceMut<'_, T>> {
+        self.check_typed::<T>(order, true)?;
         let lease = self.lease(true)?;
         if self.numel() == 0 {
             return Ok(SliceMut { slice: &mut [], _lease: lease });
         }
-        // SAFETY: as in as_slice; the exclusive lease and `&mut self` make this the only access
-        // dlbridge hands out to these bytes, and the producer did not mark them read-only.
+        // SAFETY: as in slice_in; the exclusive lease and `&mut self` make this the only access
+        // dlbridge hands out to these bytes, and the producer did not mark them read-only (a
+        // compact layout has no overlapping elements).
         let bytes = unsafe {
             std::slice::from_raw_parts(self.data_ptr().cast::<u8>(), self.numel() * size_of::<T>())
         };
@@ -205,7 +228,7 @@ impl ManagedTensor {
 
     /// The element at `index` of a host tensor of dtype `T`, with any strides.
     pub fn get<T: Element>(&self, index: &[usize]) -> Result<T> {
-        self.check_typed::<T>(false, false)?;
+        self.check_typed::<T>(Order::Any, false)?;
         let shape = self.shape();
         if index.len() != shape.len() || index.iter().zip(shape).any(|(&i, &d)| i as u64 >= d as u64) {
             return Err(Error::Incompatible {
@@ -235,10 +258,10 @@ impl ManagedTensor {
     /// Every element in row-major index order, copied into a `Vec`, whatever the strides
     /// (negative, zero, Fortran order).
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        if self.check_typed::<T>(true, false).is_ok() {
+        if self.check_typed::<T>(Order::C, false).is_ok() {
             return Ok(self.as_slice::<T>()?.to_vec());
         }
-        self.check_typed::<T>(false, false)?;
+        self.check_typed::<T>(Order::Any, false)?;
         let _lease = self.lease(false)?;
         self.offsets().map(|off| self.read_at::<T>(off)).collect()
     }

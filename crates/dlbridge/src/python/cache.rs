@@ -42,6 +42,8 @@ struct Entry {
     addr: usize,
     tag: u32,
     info: TypeInfo,
+    /// What results for callers of this type are returned as, once asked.
+    framework: Option<super::framework::Framework>,
     _keep: Py<PyType>,
 }
 
@@ -116,7 +118,7 @@ fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
             if c.len() == CAPACITY {
                 out.push(c.remove(0));
             }
-            c.push(Entry { addr, tag, info, _keep: ty.clone().unbind() });
+            c.push(Entry { addr, tag, info, framework: None, _keep: ty.clone().unbind() });
             out
         });
         // Dropped outside the borrow: releasing a type may run Python code that imports again.
@@ -152,4 +154,30 @@ pub fn mark_legacy(ty: &Bound<'_, PyType>) {
             e.info.legacy = true;
         }
     });
+}
+
+/// The framework of `ty` (see [`super::framework`]), found by `find` on the first call for the
+/// type and cached with the type's entry.
+#[inline]
+pub fn framework(
+    ty: &Bound<'_, PyType>,
+    find: fn(&Bound<'_, PyType>) -> PyResult<super::framework::Framework>,
+) -> PyResult<super::framework::Framework> {
+    let (addr, tag) = key(ty);
+    if tag != 0 {
+        let hit = CACHE
+            .with_borrow(|c| c.iter().find(|e| e.addr == addr && e.tag == tag).and_then(|e| e.framework));
+        if let Some(f) = hit {
+            return Ok(f);
+        }
+    }
+    let found = find(ty)?;
+    // `find` made the type's entry (through `type_info`), unless the type cannot be cached.
+    let (addr, tag) = key(ty);
+    CACHE.with_borrow_mut(|c| {
+        if let Some(e) = c.iter_mut().find(|e| e.addr == addr && e.tag == tag) {
+            e.framework = Some(found);
+        }
+    });
+    Ok(found)
 }

@@ -317,6 +317,11 @@ impl ExchangeApi {
         None
     }
 
+    /// Whether the table's type has torch's tensor state (torch tensors cannot be read-only).
+    pub(crate) fn is_torch(&self) -> bool {
+        self.torch_state.is_some()
+    }
+
     /// The checked table.
     pub fn table(&self) -> &'static DLPackExchangeAPI {
         self.api
@@ -410,6 +415,119 @@ impl ExchangeApi {
         let t = unsafe { t.assume_init() };
         refuse_lazy_views(obj, DataType::from(t.dtype), self.torch_state)?;
         Ok(Some(t))
+    }
+}
+
+impl ExchangeApi {
+    /// A new object of the table's type over `t` (`managed_tensor_to_py_object_no_sync`), without
+    /// copying and without stream synchronisation. The table takes ownership of the tensor, on
+    /// failure too (the standard's contract): its deleter is the table's to call.
+    pub fn to_py_object<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
+        let f = self.api.managed_tensor_to_py_object_no_sync.expect("checked non-NULL");
+        let raw = t.into_versioned_raw();
+        let mut out: *mut c_void = std::ptr::null_mut();
+        // SAFETY: an owning versioned struct handed over, the GIL held (`py`), a writable out-pointer.
+        if unsafe { f(raw.as_ptr(), &mut out) } != 0 {
+            return Err(PyErr::take(py).unwrap_or_else(|| {
+                PyBufferError::new_err("managed_tensor_to_py_object_no_sync failed without an exception")
+            }));
+        }
+        // SAFETY: on success a new reference (NULL is an error).
+        unsafe { Bound::from_owned_ptr_or_err(py, out.cast()) }
+    }
+
+    /// A new compact row-major tensor of `dtype` and `shape` on `device` from the table's
+    /// allocator (`managed_tensor_allocator`: torch's caching allocator), its contents
+    /// uninitialised; what came back is validated and checked to be what was asked.
+    pub fn allocate(
+        &self,
+        py: Python<'_>,
+        dtype: DataType,
+        shape: &[i64],
+        device: crate::Device,
+    ) -> PyResult<ManagedTensor> {
+        let f = self.api.managed_tensor_allocator.expect("checked non-NULL");
+        let mut shape_buf = shape.to_vec();
+        let mut prototype = DLTensor {
+            data: std::ptr::null_mut(),
+            device: device.to_raw(),
+            ndim: shape.len() as i32,
+            dtype: dtype.to_raw(),
+            shape: shape_buf.as_mut_ptr(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        };
+        let mut out: *mut DLManagedTensorVersioned = std::ptr::null_mut();
+        let mut error: Option<(String, String)> = None;
+        // SAFETY: a prototype whose shape outlives the call, a writable out-pointer, and a
+        // `set_error` that writes only into `error` (alive for the call); the GIL held.
+        let rc =
+            unsafe { f(&mut prototype, &mut out, std::ptr::addr_of_mut!(error).cast(), Some(collect_error)) };
+        if rc != 0 || out.is_null() {
+            let (kind, msg) =
+                error.unwrap_or_else(|| ("RuntimeError".into(), "failed without an error".into()));
+            let msg = format!("managed_tensor_allocator: {msg}");
+            return Err(match kind.as_str() {
+                "MemoryError" => pyo3::exceptions::PyMemoryError::new_err(msg),
+                "ValueError" => pyo3::exceptions::PyValueError::new_err(msg),
+                "TypeError" => pyo3::exceptions::PyTypeError::new_err(msg),
+                "BufferError" => PyBufferError::new_err(msg),
+                _ => pyo3::exceptions::PyRuntimeError::new_err(format!("{kind}: {msg}")),
+            });
+        }
+        // SAFETY: an owning pointer handed to us; validation deletes it on refusal.
+        let t = unsafe { ManagedTensor::from_raw_versioned(out) }?;
+        let asked = t.dtype() == dtype && t.shape() == shape && t.device() == device && t.is_c_contiguous();
+        if !asked || t.is_read_only() {
+            return Err(PyBufferError::new_err(format!(
+                "managed_tensor_allocator: asked for a writable C-contiguous {dtype} {} on {device}, got {}",
+                crate::error::tuple(shape),
+                t.describe()
+            )));
+        }
+        let _ = py;
+        Ok(t)
+    }
+
+    /// The table owner's current work stream on `device` (`current_work_stream`: torch's current
+    /// CUDA stream), or `None` (NULL: the default stream, or a device with no streams).
+    pub fn current_work_stream(
+        &self,
+        py: Python<'_>,
+        device: crate::Device,
+    ) -> PyResult<Option<NonNull<c_void>>> {
+        let f = self.api.current_work_stream.expect("checked non-NULL");
+        let mut stream: *mut c_void = std::ptr::null_mut();
+        let raw = device.to_raw();
+        // SAFETY: plain values and a writable out-pointer, the GIL held (`py`).
+        if unsafe { f(raw.device_type, raw.device_id, &mut stream) } != 0 {
+            return Err(PyErr::take(py).unwrap_or_else(|| {
+                PyBufferError::new_err("current_work_stream failed without an exception")
+            }));
+        }
+        Ok(NonNull::new(stream))
+    }
+}
+
+/// The `set_error` given to an allocator: records the kind and message into the
+/// `Option<(String, String)>` at `ctx`.
+unsafe extern "C" fn collect_error(
+    ctx: *mut c_void,
+    kind: *const std::ffi::c_char,
+    message: *const std::ffi::c_char,
+) {
+    let text = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: the allocator passes NUL-terminated strings that outlive the call.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    let (kind, message) = (text(kind), text(message));
+    // SAFETY: `ctx` is the `Option<(String, String)>` `allocate` passed, alive for the call.
+    if let Some(slot) = unsafe { ctx.cast::<Option<(String, String)>>().as_mut() } {
+        *slot = Some((kind, message));
     }
 }
 

@@ -23,6 +23,7 @@ mod cache;
 mod capsule;
 mod exchange;
 mod fastcall;
+mod framework;
 mod import;
 mod numpy;
 mod protocols;
@@ -30,6 +31,7 @@ mod release;
 mod tensor;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
+mod typed;
 mod types;
 mod view;
 
@@ -39,10 +41,12 @@ pub use capsule::{
     DLTENSOR, DLTENSOR_VERSIONED, USED_DLTENSOR, USED_DLTENSOR_VERSIONED, consume, is_capsule,
 };
 pub use exchange::{EXCHANGE_API_CAPSULE, ExchangeApi, TENSOR_EXCHANGE_API};
+pub use framework::{Framework, Output};
 pub use import::{ImportOptions, from_dlpack_with};
 pub use protocols::{AnyTensor, PyOwner, asdlpack_with};
 pub use tensor::Tensor;
-pub use types::{PyDType, PyDevice, device_type_enum, device_type_member};
+pub use typed::{HostSpec, TensorMut, TensorRef};
+pub use types::{PyDType, PyDevice, argument_error, device_type_enum, device_type_member};
 pub use view::TensorView;
 
 use crate::dtype::DataType;

@@ -226,3 +226,169 @@ pub fn fill_dims(p: &NumpyParts<'_>, dims: &mut crate::dims::Dims) -> bool {
     let item = p.dtype.itemsize().unwrap_or(1);
     crate::interface::element_strides(p.strides.iter().map(|&b| b as i64), item, strides).is_ok()
 }
+
+/// The numpy type number of `dtype` in native byte order, if numpy has one.
+fn type_num_of(dtype: DataType) -> Option<c_int> {
+    let long8 = size_of::<std::ffi::c_long>() == 8;
+    Some(match dtype {
+        DataType::BOOL => 0,
+        DataType::INT8 => 1,
+        DataType::UINT8 => 2,
+        DataType::INT16 => 3,
+        DataType::UINT16 => 4,
+        DataType::INT32 => 5,
+        DataType::UINT32 => 6,
+        DataType::INT64 => {
+            if long8 {
+                7
+            } else {
+                9
+            }
+        }
+        DataType::UINT64 => {
+            if long8 {
+                8
+            } else {
+                10
+            }
+        }
+        DataType::FLOAT32 => 11,
+        DataType::FLOAT64 => 12,
+        DataType::COMPLEX64 => 14,
+        DataType::COMPLEX128 => 15,
+        DataType::FLOAT16 => 23,
+        _ => return None,
+    })
+}
+
+type NewFromDescr = unsafe extern "C" fn(
+    *mut ffi::PyTypeObject,
+    *mut ffi::PyObject,
+    c_int,
+    *const isize,
+    *const isize,
+    *mut std::ffi::c_void,
+    c_int,
+    *mut ffi::PyObject,
+) -> *mut ffi::PyObject;
+type DescrFromType = unsafe extern "C" fn(c_int) -> *mut ffi::PyObject;
+type SetBaseObject = unsafe extern "C" fn(*mut ffi::PyObject, *mut ffi::PyObject) -> c_int;
+
+/// The three functions of numpy's C API (the `_ARRAY_API` table every numpy extension imports)
+/// that make an array over memory numpy does not own.
+struct CApi {
+    ndarray: usize,
+    new_from_descr: NewFromDescr,
+    descr_from_type: DescrFromType,
+    set_base: SetBaseObject,
+}
+
+/// numpy's C API, loaded once per process: `None` if numpy cannot be imported, or its table is
+/// not of ABI 1.x or 2.x, or the `ndarray` type it names is not the verified one (then arrays are
+/// made through `numpy.from_dlpack`).
+fn capi(py: Python<'_>) -> Option<&'static CApi> {
+    static CAPI: pyo3::sync::PyOnceLock<Option<CApi>> = pyo3::sync::PyOnceLock::new();
+    CAPI.get_or_init(py, || load_capi(py)).as_ref()
+}
+
+fn load_capi(py: Python<'_>) -> Option<CApi> {
+    let m = py
+        .import("numpy._core._multiarray_umath")
+        .or_else(|_| py.import("numpy.core._multiarray_umath"))
+        .ok()?;
+    let cap = m.getattr("_ARRAY_API").ok()?;
+    // SAFETY: a type check on a live object.
+    if unsafe { ffi::PyCapsule_CheckExact(cap.as_ptr()) } != 1 {
+        return None;
+    }
+    // SAFETY: a capsule; numpy's is unnamed (a NULL name).
+    let table = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), std::ptr::null()) }
+        .cast::<*const std::ffi::c_void>();
+    if table.is_null() {
+        PyErr::take(py);
+        return None;
+    }
+    // SAFETY: numpy's C API table: entry 0 is `unsigned PyArray_GetNDArrayCVersion(void)` in every
+    // numpy; entries 2, 45, 94 and 282 are read only once the ABI version is one that has them
+    // (1.x and 2.x), and the type in entry 2 is checked to be numpy's ndarray type.
+    unsafe {
+        let version: unsafe extern "C" fn() -> std::ffi::c_uint = std::mem::transmute(*table);
+        if !matches!(version() >> 24, 1 | 2) {
+            return None;
+        }
+        let ndarray = *table.add(2) as *mut ffi::PyTypeObject;
+        if find_ndarray(ndarray) != Some(ndarray as usize)
+            || NDARRAY.get().is_some_and(|&t| t != 0 && t != ndarray as usize)
+        {
+            return None;
+        }
+        Some(CApi {
+            ndarray: ndarray as usize,
+            descr_from_type: std::mem::transmute::<*const std::ffi::c_void, DescrFromType>(*table.add(45)),
+            new_from_descr: std::mem::transmute::<*const std::ffi::c_void, NewFromDescr>(*table.add(94)),
+            set_base: std::mem::transmute::<*const std::ffi::c_void, SetBaseObject>(*table.add(282)),
+        })
+    }
+}
+
+/// Whether numpy's C API is available to [`adopt`] arrays (numpy importable, table checked).
+pub fn can_adopt(py: Python<'_>) -> bool {
+    capi(py).is_some()
+}
+
+/// A `numpy.ndarray` over `t`'s memory, made through numpy's C API without a copy: the array's
+/// `base` is a `"dltensor_versioned"` capsule that owns `t` (so the producer's deleter runs when
+/// numpy frees the array). `Err(t)` when numpy cannot hold it this way (not plain CPU memory, a
+/// dtype numpy has no number for, the C API unavailable): take `numpy.from_dlpack` instead.
+pub fn adopt<'py>(
+    py: Python<'py>,
+    t: crate::ManagedTensor,
+) -> Result<PyResult<Bound<'py, PyAny>>, crate::ManagedTensor> {
+    let (Some(api), Some(type_num)) = (capi(py), type_num_of(t.dtype())) else { return Err(t) };
+    if t.device() != crate::Device::CPU || t.ndim() > 32 {
+        return Err(t);
+    }
+    let item = t.dtype().itemsize().unwrap_or(1) as isize;
+    let mut dims = [0isize; 32];
+    let mut strides = [0isize; 32];
+    for (i, (&d, &s)) in t.shape().iter().zip(t.strides()).enumerate() {
+        dims[i] = d as isize;
+        // The validated span fits the address space, so each byte stride of an axis of extent > 1
+        // does; one of an axis of extent 0 or 1 is never used and may be anything.
+        strides[i] = (s as isize).checked_mul(item).unwrap_or(0);
+    }
+    let (nd, data) = (t.ndim() as c_int, t.data_ptr());
+    let flags = if t.is_read_only() { 0 } else { NPY_ARRAY_WRITEABLE };
+    let base = match super::capsule::versioned_capsule(py, t.into_versioned_raw()) {
+        Ok(b) => b,
+        Err(e) => return Ok(Err(e)),
+    };
+    // SAFETY: numpy's checked C API with the GIL held: a new descriptor reference (stolen by
+    // NewFromDescr, on failure too); an array over `data` with `nd` extents and byte strides that
+    // stay inside the tensor `base` owns; SetBaseObject steals `base` (on failure too), which then
+    // keeps the memory alive for as long as the array.
+    unsafe {
+        let descr = (api.descr_from_type)(type_num);
+        if descr.is_null() {
+            return Ok(Err(PyErr::fetch(py)));
+        }
+        let arr = (api.new_from_descr)(
+            api.ndarray as *mut ffi::PyTypeObject,
+            descr,
+            nd,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            data,
+            flags,
+            std::ptr::null_mut(),
+        );
+        let arr = match Bound::from_owned_ptr_or_err(py, arr) {
+            Ok(a) => a,
+            Err(e) => return Ok(Err(e)),
+        };
+        if (api.set_base)(arr.as_ptr(), base.into_ptr()) != 0 {
+            return Ok(Err(PyErr::fetch(py)));
+        }
+        Ok(Ok(arr))
+    }
+}

@@ -19,6 +19,12 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_view_add, m)?)?;
     m.add_function(wrap_pyfunction!(_view_twice, m)?)?;
     m.add_function(wrap_pyfunction!(_type_cache_misses, m)?)?;
+    m.add_function(wrap_pyfunction!(_framework_name, m)?)?;
+    m.add_function(wrap_pyfunction!(_wrap_like, m)?)?;
+    m.add_function(wrap_pyfunction!(_empty_like_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(_from_vec_like, m)?)?;
+    m.add_function(wrap_pyfunction!(_current_work_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_class::<HostileBuffer>()?;
     // PyO3 lists every added function in `__all__`; hooks are private, so take them out again.
     let all = m.index()?;
@@ -188,4 +194,54 @@ fn _view_twice(a: TensorView<'_>, mut b: TensorView<'_>, value: f64) -> PyResult
 #[pyfunction]
 fn _type_cache_misses() -> usize {
     super::cache::MISSES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The name of the framework results for callers of `like` are returned as.
+#[pyfunction]
+fn _framework_name(like: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(super::Framework::of(like)?.name().to_string())
+}
+
+/// `t`'s memory (any producer, imported) returned as `like`'s framework's object.
+#[pyfunction]
+fn _wrap_like<'py>(like: &Bound<'py, PyAny>, t: crate::ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
+    super::Framework::of(like)?.wrap(like.py(), t)
+}
+
+/// `empty_like(x)` of float32 (x's shape and device) in x's framework, filled by Rust with 0, 1,
+/// 2, ...: the object and the address Rust wrote to.
+#[pyfunction]
+fn _empty_like_probe<'py>(py: Python<'py>, x: TensorView<'_>) -> PyResult<(Bound<'py, PyAny>, usize)> {
+    let mut out = x.framework(py)?.empty_like::<f32>(py, &x)?;
+    let ptr = out.data_ptr_mut() as usize;
+    if out.tensor().is_host_accessible() {
+        for (i, v) in out.as_slice_mut()?.iter_mut().enumerate() {
+            *v = i as f32;
+        }
+    }
+    Ok((out.into_object(py)?, ptr))
+}
+
+/// A Rust `Vec` of `0..n` float64 returned in `like`'s framework: the object and the `Vec`'s address.
+#[pyfunction]
+fn _from_vec_like<'py>(like: &Bound<'py, PyAny>, n: usize) -> PyResult<(Bound<'py, PyAny>, usize)> {
+    let v: Vec<f64> = (0..n).map(|i| i as f64).collect();
+    let ptr = v.as_ptr() as usize;
+    Ok((super::Framework::of(like)?.from_vec(like.py(), v, &[n])?, ptr))
+}
+
+/// The current work stream `like`'s framework reports for `device` (0 for none).
+#[pyfunction]
+fn _current_work_stream(like: &Bound<'_, PyAny>, device: super::PyDevice) -> PyResult<usize> {
+    Ok(super::Framework::of(like)?
+        .current_work_stream(like.py(), device.0)?
+        .map_or(0, |p| p.as_ptr() as usize))
+}
+
+/// Converts `x` as a `TensorRef<f32, (Any, Dim<3>), C, Cpu>`: its shape, or the refusal.
+#[pyfunction]
+fn _typed_probe(
+    x: super::TensorRef<'_, f32, (crate::spec::Any, crate::spec::Dim<3>), crate::spec::C>,
+) -> Vec<i64> {
+    x.shape().to_vec()
 }

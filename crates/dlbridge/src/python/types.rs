@@ -12,17 +12,38 @@ use crate::error::Error;
 
 impl From<Error> for PyErr {
     /// Validation refusals (what cannot be imported or exported) become `BufferError`; bad names and
-    /// buffer/layout mismatches `ValueError`; a tensor of the wrong kind for an operation
-    /// `TypeError`.
+    /// buffer/layout mismatches `ValueError`; a tensor of the wrong kind for an operation or a
+    /// kernel's stated requirements ([`Error::Mismatch`]) `TypeError`.
     fn from(e: Error) -> PyErr {
-        match e {
-            Error::UnknownDtypeName { .. }
-            | Error::UnknownDeviceName { .. }
-            | Error::BufferMismatch { .. } => PyValueError::new_err(e.to_string()),
-            Error::Incompatible { .. } => PyTypeError::new_err(e.to_string()),
-            _ => PyBufferError::new_err(e.to_string()),
-        }
+        let msg = e.to_string();
+        exception(&e, msg)
     }
+}
+
+/// The exception class for `e`, with `msg`.
+fn exception(e: &Error, msg: String) -> PyErr {
+    match e {
+        Error::UnknownDtypeName { .. } | Error::UnknownDeviceName { .. } | Error::BufferMismatch { .. } => {
+            PyValueError::new_err(msg)
+        }
+        Error::Incompatible { .. } | Error::Mismatch(_) => PyTypeError::new_err(msg),
+        _ => PyBufferError::new_err(msg),
+    }
+}
+
+/// `e` as the exception for the argument `name`, as PyO3 reports a failed argument conversion:
+/// the error's own message, with the note `while processing 'x'` (PEP 678, shown in tracebacks;
+/// Python 3.11 and later). For arguments a function converts itself, such as
+/// [`super::TensorView::typed`] after a dtype dispatch, so both kinds read the same.
+pub fn argument_error(name: &str, e: Error) -> PyErr {
+    let err = PyErr::from(e);
+    Python::attach(|py| {
+        // A Python without notes (3.10) keeps the bare error, as PyO3 does.
+        let _ = err
+            .value(py)
+            .call_method1(pyo3::intern!(py, "add_note"), (format!("while processing '{name}'"),));
+    });
+    err
 }
 
 /// A DLPack element type: `code`, `bits`, `lanes`; `str()` gives the numpy/ml_dtypes name.

@@ -58,6 +58,8 @@ pub struct TensorView<'a> {
     tensor: ManagedTensor,
     /// The block `tensor` points into (from `Box::into_raw`), or None for an owned import.
     borrow: Option<NonNull<Borrow>>,
+    /// The object viewed, alive for 'a (borrowed, no reference count).
+    source: NonNull<ffi::PyObject>,
     _source: PhantomData<&'a ()>,
     _not_send: PhantomData<*const ()>,
 }
@@ -75,6 +77,12 @@ impl TensorView<'_> {
         self.tensor.as_slice_mut()
     }
 
+    /// The tensor, mutably, for the typed guards (never handed out: a borrowed tensor moved out
+    /// of its view would outlive the block it points into).
+    pub(crate) fn tensor_mut(&mut self) -> &mut ManagedTensor {
+        &mut self.tensor
+    }
+
     /// A mutable ndarray view (see [`ManagedTensor::as_array_mut`]).
     #[cfg(feature = "ndarray")]
     pub fn as_array_mut<T: crate::Element>(&mut self) -> crate::Result<crate::ndarray::ArrayGuardMut<'_, T>> {
@@ -83,6 +91,59 @@ impl TensorView<'_> {
 }
 
 impl<'a> TensorView<'a> {
+    /// The object this view borrows (the caller's own array), for as long as the view's borrow.
+    pub fn object<'py>(&self, py: Python<'py>) -> Borrowed<'a, 'py, PyAny> {
+        // SAFETY: `source` is the object borrowed for 'a (see `borrow`), and the GIL is held.
+        unsafe { Borrowed::from_ptr(py, self.source.as_ptr()) }
+    }
+
+    /// The framework the viewed object belongs to: what results should be returned as
+    /// (see [`super::Framework`]).
+    pub fn framework(&self, py: Python<'_>) -> PyResult<super::Framework> {
+        super::Framework::of(&self.object(py))
+    }
+
+    /// This view with its requirements stated as types, checked once ([`crate::spec`]): a
+    /// [`super::TensorRef`], or [`crate::Error::Mismatch`] (a `TypeError` in Python) naming the
+    /// first field that failed. For kernels that dispatch on the dtype at run time:
+    ///
+    /// ```no_run
+    /// use dlbridge::python::TensorView;
+    /// use dlbridge::spec::{C, Cpu, Rank};
+    /// use dlbridge::DataType;
+    /// use pyo3::prelude::*;
+    /// #[pyfunction]
+    /// fn total(x: TensorView<'_>) -> PyResult<f64> {
+    ///     Ok(match x.dtype() {
+    ///         DataType::FLOAT32 => x.typed::<f32, Rank<1>, C, Cpu>()?.as_slice()?.iter().map(|&v| v as f64).sum(),
+    ///         _ => x.typed::<f64, Rank<1>, C, Cpu>()?.as_slice()?.iter().sum(),
+    ///     })
+    /// }
+    /// ```
+    pub fn typed<
+        T: crate::Element,
+        S: crate::spec::ShapeSpec,
+        O: crate::spec::OrderSpec,
+        D: crate::spec::DeviceSpec,
+    >(
+        self,
+    ) -> crate::Result<super::TensorRef<'a, T, S, O, D>> {
+        super::TensorRef::new(self)
+    }
+
+    /// [`TensorView::typed`] for writing: the tensor must also be writable (not read-only, no
+    /// overlapping elements).
+    pub fn typed_mut<
+        T: crate::Element,
+        S: crate::spec::ShapeSpec,
+        O: crate::spec::OrderSpec,
+        D: crate::spec::DeviceSpec,
+    >(
+        self,
+    ) -> crate::Result<super::TensorMut<'a, T, S, O, D>> {
+        super::TensorMut::new(self)
+    }
+
     /// Borrows `obj` for as long as the reference to it lives: the view cannot outlive the object.
     ///
     /// ```compile_fail,E0597
@@ -113,17 +174,19 @@ impl<'a> TensorView<'a> {
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
-        if let Some(v) = super::numpy::parts_exact(obj).and_then(Self::from_numpy) {
+        // SAFETY: a live object's address is never NULL.
+        let source = unsafe { NonNull::new_unchecked(obj.as_ptr()) };
+        if let Some(v) = super::numpy::parts_exact(obj).and_then(|p| Self::from_numpy(p, source)) {
             return v;
         }
-        Self::borrow_other(obj)
+        Self::borrow_other(obj, source)
     }
 
     /// The view of a filled block: its `DLTensor` pointed at its dims, then the common tensor
     /// checked inline and anything else through the general checks (out of line, so the common
     /// case builds the view where it is returned).
     #[inline(always)]
-    fn from_borrow(borrow: Box<Borrow>, flags: Flags) -> PyResult<Self> {
+    fn from_borrow(borrow: Box<Borrow>, flags: Flags, source: NonNull<ffi::PyObject>) -> PyResult<Self> {
         let block = Box::into_raw(borrow);
         // SAFETY: `block` is a live, exclusively owned block; the dims pointers are derived through
         // it and written into its DLTensor in place, and the tensor pointer too. The block and what
@@ -136,8 +199,8 @@ impl<'a> TensorView<'a> {
             let p = NonNull::new_unchecked(std::ptr::addr_of_mut!((*block).tensor));
             let block = NonNull::new_unchecked(block);
             match ManagedTensor::borrowed_if_common(p, flags) {
-                Some(tensor) => Ok(Self::with(tensor, Some(block))),
-                None => Self::from_borrow_general(p, block, flags),
+                Some(tensor) => Ok(Self::with(tensor, Some(block), source)),
+                None => Self::from_borrow_general(p, block, flags, source),
             }
         }
     }
@@ -150,10 +213,11 @@ impl<'a> TensorView<'a> {
         p: NonNull<DLTensor>,
         block: NonNull<Borrow>,
         flags: Flags,
+        source: NonNull<ffi::PyObject>,
     ) -> PyResult<Self> {
         // SAFETY: the caller's promise.
         match unsafe { ManagedTensor::borrowed(p, flags) } {
-            Ok(tensor) => Ok(Self::with(tensor, Some(block))),
+            Ok(tensor) => Ok(Self::with(tensor, Some(block), source)),
             Err(e) => {
                 // SAFETY: the block from `Box::into_raw`, no longer pointed to by anything.
                 recycle(unsafe { Box::from_raw(block.as_ptr()) });
@@ -163,8 +227,8 @@ impl<'a> TensorView<'a> {
     }
 
     #[inline(always)]
-    fn with(tensor: ManagedTensor, borrow: Option<NonNull<Borrow>>) -> Self {
-        Self { tensor, borrow, _source: PhantomData, _not_send: PhantomData }
+    fn with(tensor: ManagedTensor, borrow: Option<NonNull<Borrow>>, source: NonNull<ffi::PyObject>) -> Self {
+        Self { tensor, borrow, source, _source: PhantomData, _not_send: PhantomData }
     }
 
     /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
@@ -190,24 +254,24 @@ impl<'a> TensorView<'a> {
 
     /// A numpy array as a view: the common case without a `Result` in between.
     #[inline(always)]
-    fn from_numpy(p: super::numpy::NumpyParts<'_>) -> Option<PyResult<Self>> {
+    fn from_numpy(p: super::numpy::NumpyParts<'_>, source: NonNull<ffi::PyObject>) -> Option<PyResult<Self>> {
         let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
-        Some(Self::from_borrow(Self::numpy_block(p)?, flags))
+        Some(Self::from_borrow(Self::numpy_block(p)?, flags, source))
     }
 
     /// Every source but an exact numpy array.
     #[inline(never)]
-    fn borrow_other(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+    fn borrow_other(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>) -> PyResult<Self> {
         if let Ok(t) = obj.cast_exact::<Tensor>() {
             let inner = t.get().shared();
             let mut b = blank();
             b.tensor = *inner.dl_tensor();
             b.dims.set(inner.shape(), inner.strides());
-            return Self::from_borrow(b, inner.flags());
+            return Self::from_borrow(b, inner.flags(), source);
         }
         let info = cache::type_info(&obj.get_type())?;
         if info.numpy {
-            if let Some(v) = super::numpy::parts(obj).and_then(Self::from_numpy) {
+            if let Some(v) = super::numpy::parts(obj).and_then(|p| Self::from_numpy(p, source)) {
                 return v;
             }
         }
@@ -228,16 +292,18 @@ impl<'a> TensorView<'a> {
                             return Err(e.into());
                         }
                     }
-                    return Self::from_borrow(b, Flags::NONE);
+                    return Self::from_borrow(b, Flags::NONE, source);
                 }
                 // Device memory needs stream handling: the protocol path below.
                 Ok(_) => {}
-                Err(_) => return Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None)),
+                Err(_) => {
+                    return Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source));
+                }
             }
         }
         // SAFETY: a type-slot check on a live object.
         if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
-            match Self::from_buffer(obj) {
+            match Self::from_buffer(obj, source) {
                 Ok(v) => return Ok(v),
                 // A format the buffer protocol cannot express, from an object that also speaks
                 // DLPack: let DLPack describe it instead.
@@ -245,10 +311,10 @@ impl<'a> TensorView<'a> {
                 Err(e) => return Err(e),
             }
         }
-        Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None))
+        Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source))
     }
 
-    fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+    fn from_buffer(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>) -> PyResult<Self> {
         let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
         let mut b = blank();
         let m = match super::protocols::read_view(held.view(), &mut b.dims) {
@@ -268,7 +334,7 @@ impl<'a> TensorView<'a> {
             byte_offset: 0,
         };
         b.buffer = Some(held);
-        Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, m.readonly))
+        Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, m.readonly), source)
     }
 }
 

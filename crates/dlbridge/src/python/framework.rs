@@ -1,0 +1,334 @@
+//! Results in the caller's framework: a kernel returns its output as the kind of object its input
+//! was (torch in, `torch.Tensor` out; numpy in, `numpy.ndarray` out; jax, cupy, tensorflow
+//! likewise; anything else a `dlbridge.Tensor`), without copying, and allocates outputs with that
+//! framework's allocator where it has one.
+//!
+//! How each framework is reached, found once per type and cached:
+//!
+//! | the input's type                         | results are made by                                         |
+//! |------------------------------------------|-------------------------------------------------------------|
+//! | publishes a DLPack C exchange table (torch >= 2.10, dlbridge) | the table's `managed_tensor_to_py_object_no_sync`: no Python call |
+//! | `numpy.ndarray`                          | numpy's C API (`PyArray_NewFromDescr`, the tensor as the array's `base`): no Python call |
+//! | jax arrays                               | `jax.dlpack.from_dlpack`                                     |
+//! | tensorflow tensors                       | `tf.experimental.dlpack.from_dlpack` (a capsule)             |
+//! | anything else whose top-level module has `from_dlpack` (cupy, array-api-strict, older torch) | that function |
+//! | anything else                            | `dlbridge.Tensor`                                            |
+//!
+//! Allocation ([`Framework::empty`]): through the table's `managed_tensor_allocator` where the
+//! type has one (torch's caching allocator, CPU and CUDA), else a 256-byte aligned Rust buffer
+//! ([`crate::AlignedBuffer`]) that the framework adopts without copying. Host memory is handed
+//! out zero-filled: Rust references to uninitialised memory are not allowed, and the cost is one
+//! `memset` (free for the Rust buffer, whose pages come zeroed). Device memory is only ever
+//! reached through raw pointers, and is left as the allocator returns it.
+//!
+//! Streams: [`Framework::current_work_stream`] is the caller's current stream on a device (from
+//! the table; `None` where the framework has no table). A kernel that launches on that stream and
+//! returns its output through [`Framework::wrap`] needs no synchronisation: the framework sees the
+//! output on the stream it works on. A kernel that launches on another stream must make the
+//! caller's stream wait for it before returning (the `_no_sync` functions do not).
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+use super::exchange::ExchangeApi;
+use super::tensor::Tensor;
+use crate::device::Device;
+use crate::dtype::Element;
+use crate::managed::ManagedTensor;
+
+/// A framework that results can be returned as (see the module docs): found from an input
+/// ([`Framework::of`]) or named ([`Framework::numpy`], [`Framework::torch`],
+/// [`Framework::dlbridge`]). Cheap to copy.
+#[derive(Clone, Copy)]
+pub struct Framework {
+    kind: Kind,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Dlbridge,
+    Numpy,
+    Table(ExchangeApi),
+    Function(&'static Importer),
+}
+
+/// A framework's own `from_dlpack`, found once per type.
+struct Importer {
+    func: Py<PyAny>,
+    /// Whether it takes a DLPack capsule rather than an object with `__dlpack__` (tensorflow).
+    capsule: bool,
+    /// Where it was found (`"jax.dlpack.from_dlpack"`), for `repr` and errors.
+    name: String,
+}
+
+impl std::fmt::Debug for Framework {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Framework({})", self.name())
+    }
+}
+
+impl Framework {
+    /// The framework of `obj`'s type, found once per type and cached.
+    #[inline]
+    pub fn of(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if obj.cast_exact::<Tensor>().is_ok() {
+            return Ok(Self::dlbridge());
+        }
+        Self::of_type(&obj.get_type())
+    }
+
+    /// The framework of instances of `ty`.
+    pub fn of_type(ty: &Bound<'_, PyType>) -> PyResult<Self> {
+        super::cache::framework(ty, find)
+    }
+
+    /// `dlbridge.Tensor` (this module's class).
+    pub const fn dlbridge() -> Self {
+        Self { kind: Kind::Dlbridge }
+    }
+
+    /// numpy: `numpy.ndarray` results (imports numpy).
+    pub fn numpy(py: Python<'_>) -> PyResult<Self> {
+        Self::of_type(&py.import("numpy")?.getattr("ndarray")?.cast_into::<PyType>()?)
+    }
+
+    /// torch: `torch.Tensor` results (imports torch).
+    pub fn torch(py: Python<'_>) -> PyResult<Self> {
+        Self::of_type(&py.import("torch")?.getattr("Tensor")?.cast_into::<PyType>()?)
+    }
+
+    /// A short name: `dlbridge`, `numpy`, `exchange table`, or the function used.
+    pub fn name(&self) -> &str {
+        match self.kind {
+            Kind::Dlbridge => "dlbridge",
+            Kind::Numpy => "numpy",
+            Kind::Table(_) => "exchange table",
+            Kind::Function(i) => &i.name,
+        }
+    }
+
+    /// `t` as an object of this framework, without copying (see the module docs for each path;
+    /// the frameworks reached through their own `from_dlpack` decide for themselves, and copy
+    /// only if they cannot hold the memory, as jax does for host memory not aligned to 64 bytes).
+    /// A read-only tensor keeps its flag (numpy, dlbridge) or is refused where the framework has
+    /// no read-only tensors and its table would make it writable (torch).
+    pub fn wrap<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
+        match self.kind {
+            Kind::Dlbridge => Ok(Bound::new(py, Tensor::new(t))?.into_any()),
+            // torch has no read-only tensors: its table would hand the memory out writable.
+            Kind::Table(api) if api.is_torch() && t.is_read_only() => {
+                Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                    "cannot return a read-only tensor as a torch.Tensor (torch tensors are always writable): {}; \
+                     return a copy (ManagedTensor::to_contiguous) instead",
+                    t.describe()
+                )))
+            }
+            Kind::Table(api) => api.to_py_object(py, t),
+            Kind::Numpy => match super::numpy::adopt(py, t) {
+                Ok(made) => made,
+                Err(t) => numpy_from_dlpack(py, t),
+            },
+            Kind::Function(i) => i.call(py, t),
+        }
+    }
+
+    /// A `Vec` as a tensor of this framework with `shape` (its product must be the length),
+    /// without copying.
+    pub fn from_vec<'py, T: Element>(
+        &self,
+        py: Python<'py>,
+        v: Vec<T>,
+        shape: &[usize],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.wrap(py, ManagedTensor::from_vec(v, shape)?)
+    }
+
+    /// An owned `ndarray` array as a tensor of this framework, with its strides, without copying.
+    #[cfg(feature = "ndarray")]
+    pub fn from_ndarray<'py, T: Element, D: ndarray::Dimension>(
+        &self,
+        py: Python<'py>,
+        a: ndarray::Array<T, D>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.wrap(py, ManagedTensor::from_ndarray(a)?)
+    }
+
+    /// A new writable C-contiguous tensor of `T` with `shape` on `device`, to fill and return (see
+    /// the module docs: the framework's allocator where its table has one, else an aligned Rust
+    /// buffer; host memory zero-filled). Device memory needs a framework with an allocator.
+    pub fn empty<T: Element>(&self, py: Python<'_>, shape: &[usize], device: Device) -> PyResult<Output<T>> {
+        let tensor = match self.kind {
+            Kind::Table(api) => {
+                let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                let mut t = api.allocate(py, T::DTYPE, &dims, device)?;
+                if t.is_host_accessible() {
+                    zero(&mut t);
+                }
+                t
+            }
+            _ if device.is_host_accessible() => {
+                let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
+                    pyo3::exceptions::PyValueError::new_err(format!(
+                        "empty: shape {:?} has more elements than memory can hold",
+                        shape
+                    ))
+                })?;
+                ManagedTensor::from_host(crate::AlignedBuffer::<T>::zeroed(n), shape)?
+            }
+            _ => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "empty: {} has no allocator for {device} memory (only a framework with a DLPack \
+                     exchange table can allocate device memory here)",
+                    self.name()
+                )));
+            }
+        };
+        Ok(Output { tensor, framework: *self, _t: PhantomData })
+    }
+
+    /// [`Framework::empty`] with the shape and device of `like`.
+    pub fn empty_like<T: Element>(&self, py: Python<'_>, like: &ManagedTensor) -> PyResult<Output<T>> {
+        let shape: Vec<usize> = like.shape().iter().map(|&d| d as usize).collect();
+        self.empty::<T>(py, &shape, like.device())
+    }
+
+    /// The caller's current work stream on `device`, from the framework's exchange table
+    /// (`current_work_stream`; torch's current CUDA stream); `None` for the default stream, a
+    /// device without streams, or a framework without a table.
+    pub fn current_work_stream(&self, py: Python<'_>, device: Device) -> PyResult<Option<NonNull<c_void>>> {
+        match self.kind {
+            Kind::Table(api) => api.current_work_stream(py, device),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// Zero-fills a freshly allocated host tensor that no other handle can reach yet.
+fn zero(t: &mut ManagedTensor) {
+    let n = t.nbytes() as usize;
+    if n > 0 {
+        // SAFETY: host-accessible memory of `n` bytes from the first element (compact, checked by
+        // `allocate`), writable, just allocated and reachable only through `t`, borrowed mutably.
+        unsafe { std::ptr::write_bytes(t.data_ptr().cast::<u8>(), 0, n) };
+    }
+}
+
+/// `numpy.from_dlpack(t)`: what numpy says of a tensor its C API cannot take this way (device,
+/// dtype).
+fn numpy_from_dlpack<'py>(py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
+    let obj = Bound::new(py, Tensor::new(t))?;
+    py.import("numpy")?.getattr("from_dlpack")?.call1((obj,))
+}
+
+impl Importer {
+    fn call<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
+        let obj = Bound::new(py, Tensor::new(t))?.into_any();
+        let arg = if self.capsule { obj.call_method0(pyo3::intern!(py, "__dlpack__"))? } else { obj };
+        self.func.bind(py).call1((arg,))
+    }
+}
+
+/// Finds the framework of `ty` (a cache miss).
+fn find(ty: &Bound<'_, PyType>) -> PyResult<Framework> {
+    let py = ty.py();
+    let info = super::cache::type_info(ty)?;
+    if let Some(api) = info.exchange {
+        return Ok(Framework { kind: Kind::Table(api) });
+    }
+    if info.numpy && super::numpy::can_adopt(py) {
+        return Ok(Framework { kind: Kind::Numpy });
+    }
+    let module: String = ty.getattr(pyo3::intern!(py, "__module__"))?.extract().unwrap_or_default();
+    let root = module.split('.').next().unwrap_or_default();
+    let (path, capsule) = match root {
+        "jax" | "jaxlib" => ("jax.dlpack", false),
+        "tensorflow" => ("tensorflow.experimental.dlpack", true),
+        "" | "builtins" => return Ok(Framework::dlbridge()),
+        other => (other, false),
+    };
+    // Only a module already imported (the type's own package) is asked; nothing new is imported
+    // but the dlpack submodules named above.
+    let loaded = py.import("sys")?.getattr("modules")?.get_item(root).is_ok();
+    let func = if loaded { py.import(path).and_then(|m| m.getattr("from_dlpack")).ok() } else { None };
+    match func.filter(|f| f.is_callable()) {
+        Some(f) => Ok(Framework {
+            kind: Kind::Function(Importer::interned(f, capsule, format!("{path}.from_dlpack"))),
+        }),
+        None => Ok(Framework::dlbridge()),
+    }
+}
+
+impl Importer {
+    /// One leaked importer per function (a handful per process).
+    fn interned(f: Bound<'_, PyAny>, capsule: bool, name: String) -> &'static Self {
+        static ALL: std::sync::Mutex<Vec<&'static Importer>> = std::sync::Mutex::new(Vec::new());
+        let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = all.iter().find(|i| i.func.as_ptr() == f.as_ptr() && i.capsule == capsule) {
+            return found;
+        }
+        let leaked: &'static Self = Box::leak(Box::new(Importer { func: f.unbind(), capsule, name }));
+        all.push(leaked);
+        leaked
+    }
+}
+
+/// A new tensor made by [`Framework::empty`]: fill it through its typed views, then return it
+/// (it converts to the framework's object when returned from a `#[pyfunction]`, or with
+/// [`Output::into_object`]). `Send`, so it can be filled without the GIL.
+pub struct Output<T> {
+    tensor: ManagedTensor,
+    framework: Framework,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> Output<T> {
+    /// The tensor (metadata, `data_ptr`).
+    pub fn tensor(&self) -> &ManagedTensor {
+        &self.tensor
+    }
+
+    /// The framework it will be returned as.
+    pub fn framework(&self) -> Framework {
+        self.framework
+    }
+
+    /// The elements, row-major, mutably (host memory; holds an exclusive lease).
+    pub fn as_slice_mut(&mut self) -> crate::Result<crate::SliceMut<'_, T>> {
+        self.tensor.as_slice_mut::<T>()
+    }
+
+    /// The elements, row-major (host memory; holds a shared lease).
+    pub fn as_slice(&self) -> crate::Result<crate::SliceRef<'_, T>> {
+        self.tensor.as_slice::<T>()
+    }
+
+    /// A mutable `ndarray` view (host memory; holds an exclusive lease).
+    #[cfg(feature = "ndarray")]
+    pub fn as_array_mut(&mut self) -> crate::Result<crate::ndarray::ArrayGuardMut<'_, T>> {
+        self.tensor.as_array_mut::<T>()
+    }
+
+    /// The address of the first element (host or device memory), for a kernel launch.
+    pub fn data_ptr_mut(&mut self) -> *mut T {
+        self.tensor.data_ptr().cast()
+    }
+
+    /// The framework's object over this memory (no copy).
+    pub fn into_object(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+        self.framework.wrap(py, self.tensor)
+    }
+}
+
+impl<'py, T: Element> IntoPyObject<'py> for Output<T> {
+    type Target = PyAny;
+    type Output = Bound<'py, PyAny>;
+    type Error = PyErr;
+
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.into_object(py)
+    }
+}

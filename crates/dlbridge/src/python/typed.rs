@@ -1,0 +1,177 @@
+//! Typed `#[pyfunction]` arguments: [`TensorRef`] (read) and [`TensorMut`] (write) state what a
+//! kernel needs in their type (element type, shape, order, device; see [`crate::spec`]) and check
+//! it once, at argument conversion, over a borrowed [`TensorView`] (no capsule, no copy). A
+//! mismatch is a `TypeError` that PyO3 prefixes with the argument's name:
+//! `argument 'x': expected float32 2-d C-contiguous cpu tensor, got float64 (3, 4) strides (1, 3) on cpu`;
+//! Rust code that converts by hand ([`TensorView::typed`]) gets [`crate::Error::Mismatch`].
+//!
+//! ```no_run
+//! use dlbridge::python::{TensorMut, TensorRef};
+//! use dlbridge::spec::{C, Rank};
+//! use pyo3::prelude::*;
+//!
+//! /// y += a * x, in place, for float32 vectors from numpy, torch, jax (x only: jax is read-only)...
+//! #[pyfunction]
+//! fn saxpy(a: f32, x: TensorRef<'_, f32, Rank<1>, C>, mut y: TensorMut<'_, f32, Rank<1>, C>) -> PyResult<()> {
+//!     let x = x.as_slice()?;
+//!     for (y, x) in y.as_slice_mut()?.iter_mut().zip(x.iter()) {
+//!         *y += a * x;
+//!     }
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Typed access needs no second statement of the type: `as_slice` exists only for compact orders
+//! ([`C`](crate::spec::C), [`F`](crate::spec::F)) on host memory, `as_array` for host memory, and
+//! `data_ptr` gives the typed element pointer for device memory. Each guard still takes its lease
+//! in the borrow registry ([`crate::borrow`]), so `f(x, x)` with a `TensorRef` and a `TensorMut`
+//! over the same array fails at the second guard instead of aliasing.
+//!
+//! The guards are `Send` (and `Sync`) for element types that are: a kernel takes its slices or
+//! ndarray views first, then runs without the GIL (`py.detach(|| ...)`) or on rayon's threads.
+//! The arguments themselves are not `Send`: they may hold a Python buffer view, whose release needs
+//! the GIL, and their storage block belongs to the thread's pool.
+
+use std::marker::PhantomData;
+use std::ops::Deref;
+
+use pyo3::prelude::*;
+
+use super::view::TensorView;
+use crate::dtype::Element;
+use crate::managed::ManagedTensor;
+use crate::spec::{AnyOrder, AnyShape, Compact, Cpu, DeviceSpec, OrderSpec, ShapeSpec, SpecOf};
+
+/// The requirement types, held without owning anything (`Send`/`Sync` follow the view alone).
+type Stated<T, S, O, D> = PhantomData<fn() -> (T, S, O, D)>;
+
+/// A read-only typed tensor argument: element type `T`, shape `S` ([`AnyShape`], `Rank<N>`, or a
+/// tuple of `Dim<N>`/`Any`), order `O` ([`AnyOrder`], `C`, `F`) and device `D` ([`Cpu`], `Cuda`,
+/// `AnyDevice`), checked at conversion. Derefs to [`ManagedTensor`] for the metadata.
+pub struct TensorRef<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
+    view: TensorView<'a>,
+    _spec: Stated<T, S, O, D>,
+}
+
+/// A writable typed tensor argument: as [`TensorRef`], and the tensor must be writable (not
+/// read-only, no two elements sharing memory); gives mutable slices and views.
+pub struct TensorMut<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
+    view: TensorView<'a>,
+    _spec: Stated<T, S, O, D>,
+}
+
+macro_rules! common {
+    ($ty:ident, $spec:ident) => {
+        impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> $ty<'a, T, S, O, D> {
+            /// Checks `view` against the stated requirements.
+            #[inline]
+            pub(crate) fn new(view: TensorView<'a>) -> crate::Result<Self> {
+                view.check(&SpecOf::<T, S, O, D>::$spec)?;
+                Ok(Self { view, _spec: PhantomData })
+            }
+
+            /// The requirements this argument states.
+            pub const SPEC: crate::spec::Spec = SpecOf::<T, S, O, D>::$spec;
+
+            /// The untyped view.
+            pub fn view(&self) -> &TensorView<'a> {
+                &self.view
+            }
+
+            /// The caller's own object (to return it, or to call its methods).
+            pub fn object<'py>(&self, py: Python<'py>) -> Borrowed<'a, 'py, PyAny> {
+                self.view.object(py)
+            }
+
+            /// The caller's framework: return results as it ([`super::Framework`]).
+            pub fn framework(&self, py: Python<'_>) -> PyResult<super::Framework> {
+                self.view.framework(py)
+            }
+
+            /// The address of the first element, typed (host or device memory; never
+            /// dereferenced by this call).
+            pub fn data_ptr(&self) -> *const T {
+                self.view.data_ptr().cast_const().cast()
+            }
+
+            /// A new tensor of `U` with this one's shape and device, in the caller's framework
+            /// ([`super::Framework::empty`]): fill it and return it.
+            pub fn empty_like<U: Element>(&self, py: Python<'_>) -> PyResult<super::Output<U>> {
+                self.framework(py)?.empty_like::<U>(py, self)
+            }
+        }
+
+        impl<'a, T, S, O, D> Deref for $ty<'a, T, S, O, D> {
+            type Target = ManagedTensor;
+            fn deref(&self) -> &ManagedTensor {
+                &self.view
+            }
+        }
+
+        impl<'a, 'py, T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> FromPyObject<'a, 'py>
+            for $ty<'a, T, S, O, D>
+        {
+            type Error = PyErr;
+
+            #[inline]
+            fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+                let view = <TensorView<'a> as FromPyObject<'a, 'py>>::extract(obj)?;
+                Ok(Self::new(view)?)
+            }
+        }
+
+        impl<'a, T: Element, S, O: Compact, D> $ty<'a, T, S, O, D>
+        where
+            S: ShapeSpec,
+        {
+            /// The elements in memory order (row-major for `C`, column-major for `F`), holding a
+            /// shared lease ([`crate::Error::AlreadyBorrowed`] while a mutable guard over the same
+            /// memory lives).
+            pub fn as_slice(&self) -> crate::Result<crate::SliceRef<'_, T>>
+            where
+                D: HostSpec,
+            {
+                self.view.slice_in::<T>(O::ORDER)
+            }
+        }
+
+        #[cfg(feature = "ndarray")]
+        impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: HostSpec> $ty<'a, T, S, O, D> {
+            /// An `ndarray` view with the tensor's strides, holding a shared lease.
+            pub fn as_array(&self) -> crate::Result<crate::ndarray::ArrayGuard<'_, T>> {
+                self.view.as_array::<T>()
+            }
+        }
+    };
+}
+
+common!(TensorRef, READ);
+common!(TensorMut, WRITE);
+
+/// Device requirements under which the memory is host-accessible (typed slices and views).
+pub trait HostSpec: DeviceSpec {}
+impl HostSpec for Cpu {}
+
+impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> TensorMut<'a, T, S, O, D> {
+    /// The address of the first element, typed and mutable (host or device memory; never
+    /// dereferenced by this call).
+    pub fn data_ptr_mut(&mut self) -> *mut T {
+        self.view.data_ptr().cast()
+    }
+}
+
+impl<'a, T: Element, S: ShapeSpec, O: Compact, D: HostSpec> TensorMut<'a, T, S, O, D> {
+    /// The elements in memory order, mutably, holding an exclusive lease
+    /// ([`crate::Error::AlreadyBorrowed`] while any other guard over the same memory lives).
+    pub fn as_slice_mut(&mut self) -> crate::Result<crate::SliceMut<'_, T>> {
+        self.view.tensor_mut().slice_mut_in::<T>(O::ORDER)
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: HostSpec> TensorMut<'a, T, S, O, D> {
+    /// A mutable `ndarray` view with the tensor's strides, holding an exclusive lease.
+    pub fn as_array_mut(&mut self) -> crate::Result<crate::ndarray::ArrayGuardMut<'_, T>> {
+        self.view.tensor_mut().as_array_mut::<T>()
+    }
+}
