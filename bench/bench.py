@@ -59,6 +59,25 @@ def measure_group(cases: dict[str, str], env: dict, number: int, repeats: int = 
 
 NOOP = "noop: trivial PyO3 function (dlbridge shim)"
 PTR_FLOOR = "floor: a PyO3 function returning the argument's address"
+THREE_IMPORTS = "reference: three owned torch imports + one trivial call (3 x (import - noop) + noop)"
+
+
+def tvm_identity():
+    """tvm-ffi's strongest form: a C++ function taking a tensor and returning it, compiled with
+    tvm_ffi.cpp.load_inline (ninja from bench/requirements-bench.txt, on PATH from the venv)."""
+    try:
+        os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+        import tvm_ffi.cpp
+
+        mod = tvm_ffi.cpp.load_inline(
+            name="dlbridge_bench_identity",
+            cpp_sources="#include <tvm/ffi/container/tensor.h>\ntvm::ffi::Tensor identity(tvm::ffi::Tensor x) { return x; }\n",
+            functions=["identity"],
+        )
+        return mod.identity
+    except Exception as e:  # reported, and its target is then absent (not passed)
+        print(f"  tvm-ffi load_inline failed: {e}", flush=True)
+        return None
 
 
 def main() -> int:
@@ -127,6 +146,42 @@ def main() -> int:
             "torch.from_dlpack(numpy array)": "torch.from_dlpack(a)",
             "torch.from_dlpack(dlbridge.Tensor)": "torch.from_dlpack(t)",
         }, n_slow)
+    # The kernel author's kit (issue 14): typed arguments, results in the caller's framework.
+    group("typed arguments (numpy, 1000 f32)", {
+        "dlbridge: borrowed view (TensorView), numpy ": "D.view_ptr(a)",
+        "dlbridge: typed argument (TensorRef<f32>), numpy": "D.typed_ptr(a)",
+    }, n_fast)
+    group("results in numpy: empty_like", {
+        "numpy.empty_like(a)": "np.empty_like(a)",
+        "dlbridge: f(a) returning empty_like(a), numpy": "D.empty_like(a)",
+    }, n_fast)
+    if torch:
+        tvm = tvm_identity()
+        env.update(y=torch.zeros(1000), z=torch.zeros(1000), tvm=tvm)
+        group("typed arguments and results, torch (1000 f32)", {
+            NOOP + " ": "D.noop(x)",
+            "dlbridge: owned import (ManagedTensor), torch ": "D.import_ptr(x)",
+            "dlbridge: borrowed view (TensorView), torch ": "D.view_ptr(x)",
+            "dlbridge: typed argument (TensorRef<f32>), torch": "D.typed_ptr(x)",
+            "dlbridge: empty body, three typed torch tensors": "D.typed3(x, y, z)",
+        }, n_slow)
+        group("results in torch", {
+            "torch.empty_like(x)": "torch.empty_like(x)",
+            "dlbridge: f(x) returning empty_like(x), torch": "D.empty_like(x)",
+            "dlbridge: a Rust-made 1e3 f32 tensor returned as torch.Tensor": "D.rust_made_torch(1000)",
+            "torch.from_dlpack(dlbridge.Tensor made in Rust, 1e3 f32)": "torch.from_dlpack(D.export_fresh(1000))",
+        }, n_slow)
+        group("against tvm-ffi: a function taking a torch tensor and returning it", {
+            "tvm-ffi: identity(x) (load_inline)": "tvm(x)" if tvm else None,
+            "dlbridge: identity(x) (typed argument, the caller's object back)": "D.identity(x)",
+            "dlbridge: round trip (owned import, a new torch.Tensor back)": "D.round_trip(x)",
+        }, n_slow)
+        imp = results.get("dlbridge: owned import (ManagedTensor), torch ")
+        nop = results.get(NOOP + " ")
+        if imp and nop:
+            ref = 3 * (imp["median"] - nop["median"]) + nop["median"]
+            results[THREE_IMPORTS] = {"median": ref, "min": ref, "max": ref}
+
     group("asdlpack against pydlpack (numpy consumer)", {
         "numpy.from_dlpack(dlbridge.asdlpack(a))": "np.from_dlpack(dlbridge.asdlpack(a))",
         "numpy.from_dlpack(pydlpack asdlpack(a))": "np.from_dlpack(pydlpack.asdlpack(a))" if pydlpack else None,
@@ -289,6 +344,14 @@ def evaluate(results, sweep, memory) -> list[dict]:
         ("numpy.from_dlpack(Tensor) <= 1.5 x numpy.from_dlpack(numpy)", "numpy.from_dlpack(dlbridge.Tensor)", "numpy.from_dlpack(numpy array) ", 1.5),
         ("torch.from_dlpack(Tensor) <= 1.0 x torch.from_dlpack(numpy)", "torch.from_dlpack(dlbridge.Tensor)", "torch.from_dlpack(numpy array)", 1.0),
         ("numpy.from_dlpack(asdlpack(a)) <= 0.01 x pydlpack's", "numpy.from_dlpack(dlbridge.asdlpack(a))", "numpy.from_dlpack(pydlpack asdlpack(a))", 0.01),
+        ("typed argument conversion <= 1.1 x untyped view, numpy", "dlbridge: typed argument (TensorRef<f32>), numpy", "dlbridge: borrowed view (TensorView), numpy ", 1.1),
+        ("typed argument conversion <= 1.1 x untyped view, torch", "dlbridge: typed argument (TensorRef<f32>), torch", "dlbridge: borrowed view (TensorView), torch ", 1.1),
+        ("empty body, three typed torch tensors <= 1.1 x three owned imports + one call", "dlbridge: empty body, three typed torch tensors", THREE_IMPORTS, 1.1),
+        ("f(x) returning empty_like(x) as torch.Tensor <= 1.2 x torch.empty_like(x)", "dlbridge: f(x) returning empty_like(x), torch", "torch.empty_like(x)", 1.2),
+        ("f(a) returning empty_like(a) as numpy.ndarray <= 1.2 x numpy.empty_like(a)", "dlbridge: f(a) returning empty_like(a), numpy", "numpy.empty_like(a)", 1.2),
+        ("a Rust-made 1e3 tensor to torch <= 0.5 x torch.from_dlpack(dlbridge.Tensor)", "dlbridge: a Rust-made 1e3 f32 tensor returned as torch.Tensor", "torch.from_dlpack(dlbridge.Tensor made in Rust, 1e3 f32)", 0.5),
+        ("identity(torch tensor) <= 1.0 x tvm-ffi's", "dlbridge: identity(x) (typed argument, the caller's object back)", "tvm-ffi: identity(x) (load_inline)", 1.0),
+        ("round trip (new torch.Tensor back) <= 1.0 x tvm-ffi's identity", "dlbridge: round trip (owned import, a new torch.Tensor back)", "tvm-ffi: identity(x) (load_inline)", 1.0),
     ]
     out = []
     for name, num, den, limit in checks:

@@ -111,6 +111,50 @@ fn export_shared(n: usize) -> PyResult<ManagedTensor> {
     Ok(unsafe { ManagedTensor::from_raw_versioned(t.export_versioned().as_ptr()) }?)
 }
 
+/// The kernel author's kit: a function with an empty body taking three typed (float32) tensors.
+#[pyfunction]
+fn typed3(
+    _a: dlbridge::python::TensorRef<'_, f32>,
+    _b: dlbridge::python::TensorRef<'_, f32>,
+    _c: dlbridge::python::TensorRef<'_, f32>,
+) {
+}
+
+/// A typed float32 argument converted and dropped (the conversion alone).
+#[pyfunction]
+fn typed_ptr(t: dlbridge::python::TensorRef<'_, f32>) -> usize {
+    t.data_ptr() as usize
+}
+
+/// `empty_like(x)` (float32) returned in x's framework.
+#[pyfunction]
+fn empty_like(py: Python<'_>, x: dlbridge::python::TensorRef<'_, f32>) -> PyResult<dlbridge::python::Output<f32>> {
+    x.empty_like::<f32>(py)
+}
+
+static TORCH: pyo3::sync::PyOnceLock<dlbridge::python::Framework> = pyo3::sync::PyOnceLock::new();
+
+/// A Rust-made `n`-element float32 tensor returned to a torch caller as a torch.Tensor.
+#[pyfunction]
+fn rust_made_torch(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyAny>> {
+    let torch = TORCH.get_or_try_init(py, || dlbridge::python::Framework::torch(py))?;
+    torch.from_vec(py, vec![0f32; n], &[n])
+}
+
+/// Takes a tensor and returns it: the caller's own object (a typed argument keeps it).
+#[pyfunction]
+fn identity<'py>(py: Python<'py>, x: dlbridge::python::TensorRef<'_, f32>) -> Bound<'py, PyAny> {
+    x.object(py).to_owned()
+}
+
+/// Takes a tensor and returns a new object of its framework over the same memory (an owned
+/// import, then the framework's exchange table back): what tvm-ffi does for a returned tensor.
+#[pyfunction]
+fn round_trip<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let t: ManagedTensor = x.extract()?;
+    dlbridge::python::Framework::of(x)?.wrap(x.py(), t)
+}
+
 /// The shim module.
 #[pymodule]
 fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -123,5 +167,11 @@ fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(export_fresh, m)?)?;
     m.add_function(wrap_pyfunction!(export_shared, m)?)?;
     m.add_function(wrap_pyfunction!(export_fresh_aligned, m)?)?;
+    m.add_function(wrap_pyfunction!(typed3, m)?)?;
+    m.add_function(wrap_pyfunction!(typed_ptr, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_like, m)?)?;
+    m.add_function(wrap_pyfunction!(rust_made_torch, m)?)?;
+    m.add_function(wrap_pyfunction!(identity, m)?)?;
+    m.add_function(wrap_pyfunction!(round_trip, m)?)?;
     Ok(())
 }
