@@ -101,6 +101,31 @@ def main() -> None:
     print("   numpy arrays are read through their own struct after a one-time check against numpy's")
     print("   buffer export; torch tensors through torch's DLPack 1.3 C exchange table)")
 
+    kernels()
+
+
+def kernels() -> None:
+    """Rust kernels (examples/kernels) called from numpy, torch and jax, each returning the caller's type."""
+    import jax.numpy as jnp
+    import torch
+
+    import dlbridge_kernels as K
+
+    section("4. Rust kernels (examples/kernels) return the caller's own kind of array")
+    rows = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]], dtype=np.float32)
+    print(f"  {'caller':<8} {'softmax(x) returned':<28} first row")
+    for name, x in [("numpy", rows), ("torch", torch.from_numpy(rows.copy())), ("jax", jnp.asarray(rows))]:
+        out = K.softmax(x)
+        kind = f"{type(out).__module__}.{type(out).__name__}"
+        print(f"  {name:<8} {kind:<28} {', '.join(f'{v:.4f}' for v in np.asarray(dlbridge.from_dlpack(out))[0])}")
+    y = torch.ones(4)
+    same = K.saxpy_(2.0, torch.arange(4.0), y) is y
+    print(f"  saxpy_(2, arange(4), y) in place on a torch tensor: y = {y.tolist()} (returned y itself: {same})")
+    try:
+        K.saxpy_(2.0, torch.arange(4.0), torch.ones(4, dtype=torch.float64))
+    except TypeError as e:
+        print(f"  a float64 y is refused at conversion: TypeError: {e}")
+
 
 if __name__ == "__main__":
     main()

@@ -33,3 +33,9 @@ def test_rust_example_is_the_one_compiled_into_the_example_extension():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::-1]
     dlbridge_scale.scale_f32(a, 2.0)
     assert a.tolist() == [[4.0, 2.0, 0.0], [10.0, 8.0, 6.0]]
+
+
+def test_kernel_examples_are_compiled_into_the_kernels_extension():
+    src = (ROOT / "examples/kernels/src/lib.rs").read_text()
+    for code in blocks("rust")[1:]:
+        assert code in src
