@@ -128,7 +128,10 @@ fn typed_ptr(t: dlbridge::python::TensorRef<'_, f32>) -> usize {
 
 /// `empty_like(x)` (float32) returned in x's framework.
 #[pyfunction]
-fn empty_like(py: Python<'_>, x: dlbridge::python::TensorRef<'_, f32>) -> PyResult<dlbridge::python::Output<f32>> {
+fn empty_like(
+    py: Python<'_>,
+    x: dlbridge::python::TensorRef<'_, f32>,
+) -> PyResult<dlbridge::python::Output<f32>> {
     x.empty_like::<f32>(py)
 }
 

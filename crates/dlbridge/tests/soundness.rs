@@ -229,3 +229,24 @@ fn an_empty_tensor_too_large_for_ndarray_is_refused() {
     let ok = ManagedTensor::from_vec(Vec::<f32>::new(), &[0, 3]).unwrap();
     assert_eq!(ok.as_array::<f32>().unwrap().shape(), &[0, 3]);
 }
+
+/// Typed guards can cross into a closure that runs without the GIL or on another thread (a
+/// kernel body on rayon): they are Send and Sync for element types that are.
+#[test]
+fn guards_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<dlbridge::SliceRef<'static, f32>>();
+    send_sync::<dlbridge::SliceMut<'static, half::bf16>>();
+    #[cfg(feature = "ndarray")]
+    {
+        send_sync::<dlbridge::ndarray::ArrayGuard<'static, f64>>();
+        send_sync::<dlbridge::ndarray::ArrayGuardMut<'static, f64>>();
+    }
+    let mut t = dlbridge::ManagedTensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
+    let mut s = t.as_slice_mut::<f32>().unwrap();
+    std::thread::scope(|sc| {
+        sc.spawn(|| s.iter_mut().for_each(|x| *x *= 2.0));
+    });
+    drop(s);
+    assert_eq!(t.to_vec::<f32>().unwrap(), [2.0, 4.0, 6.0, 8.0]);
+}

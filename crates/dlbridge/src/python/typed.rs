@@ -31,6 +31,13 @@
 //! ndarray views first, then runs without the GIL (`py.detach(|| ...)`) or on rayon's threads.
 //! The arguments themselves are not `Send`: they may hold a Python buffer view, whose release needs
 //! the GIL, and their storage block belongs to the thread's pool.
+//!
+//! ```compile_fail,E0277
+//! fn send<T: Send>(_: T) {}
+//! fn kernel(x: dlbridge::python::TensorRef<'_, f32>) {
+//!     send(x); // E0277: a typed argument stays on the thread that holds the GIL
+//! }
+//! ```
 
 use std::marker::PhantomData;
 use std::ops::Deref;
