@@ -60,6 +60,7 @@ pub enum DeviceKind {
 
 impl DeviceKind {
     /// Whether `device` is of this kind.
+    #[inline]
     pub fn admits(self, device: Device) -> bool {
         match self {
             Self::Cpu => device.is_host_accessible(),
@@ -203,6 +204,7 @@ impl fmt::Display for Spec {
 impl ManagedTensor {
     /// Checks this tensor against `spec` in one pass: [`Error::Mismatch`] names the first field
     /// that failed (dtype, rank, extents, device, order, writability, in that order).
+    #[inline]
     pub fn check(&self, spec: &Spec) -> Result<()> {
         match self.first_failure(spec) {
             None => Ok(()),
@@ -211,7 +213,7 @@ impl ManagedTensor {
     }
 
     /// The first field of `spec` this tensor fails, if any (no allocation).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn first_failure(&self, spec: &Spec) -> Option<Field> {
         if spec.dtype.is_some_and(|d| d != self.dtype()) {
             return Some(Field::DType);

@@ -126,6 +126,22 @@ def test_numpy_c_api_path_agrees_with_numpy_from_dlpack():
                 assert (ours == src).all()
 
 
+def test_numpy_results_base_cannot_be_consumed_by_another_library():
+    """The numpy array's base owns the tensor under a private capsule name: a DLPack consumer
+    handed the base cannot take the tensor (and free the memory) out from under the array."""
+    np = need("numpy")
+    out, _ = hooks()._from_vec_like(np.zeros(1), 4)
+    base = out.base
+    assert type(base).__name__ == "PyCapsule" and "dlbridge.tensor_owner" in repr(base)
+    with pytest.raises(TypeError, match="expected a DLPack capsule|capsule"):
+        dlbridge.from_dlpack(base)
+    if have("torch"):
+        torch = need("torch")
+        with pytest.raises(Exception):
+            torch.utils.dlpack.from_dlpack(base)
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_numpy_path_keeps_the_producer_alive_and_releases_it_once():
     np = need("numpy")
     import gc
@@ -205,3 +221,22 @@ def test_typed_argument_refusals_name_expected_and_found(make, message):
 
     if sys.version_info >= (3, 11):
         assert e.value.__notes__ == ["while processing 'x'"]
+
+
+def test_torch_table_allocator_gives_what_was_asked():
+    """Framework::empty takes device memory from the table's allocator (torch's caching allocator
+    on CUDA); on this machine its CPU form exercises the same call, validation and error path."""
+    torch = need("torch")
+    t = hooks()._table_allocate(torch.zeros(1), [3, 5], dlbridge.Device("cpu"))
+    assert (t.shape, str(t.dtype), t.readonly, t.strides) == ((3, 5), "float32", False, (5, 1))
+    out = torch.from_dlpack(t)
+    out.fill_(2.0)
+    assert dlbridge.from_dlpack(out).data_ptr == t.data_ptr
+
+
+def test_torch_table_allocator_errors_come_back_as_exceptions():
+    torch = need("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the allocation would succeed")
+    with pytest.raises(Exception, match="managed_tensor_allocator: "):
+        hooks()._table_allocate(torch.zeros(1), [3], dlbridge.Device("cuda", 0))

@@ -78,6 +78,36 @@ unsafe extern "C" fn destroy_legacy(cap: *mut ffi::PyObject) {
     }
 }
 
+/// The name of the capsules that keep a tensor alive for an object made over its memory (the
+/// `base` of a numpy array dlbridge made): private, so no DLPack consumer can take the tensor out
+/// from under that object.
+pub const OWNER: &CStr = c"dlbridge.tensor_owner";
+
+/// Drops the `ManagedTensor` an owner capsule holds (the producer's deleter runs, once).
+unsafe extern "C" fn destroy_owner(cap: *mut ffi::PyObject) {
+    // SAFETY: `cap` is the capsule being destroyed; IsValid sets no exception.
+    if unsafe { ffi::PyCapsule_IsValid(cap, OWNER.as_ptr()) } == 1 {
+        // SAFETY: valid under this name; the pointer is the `Box<ManagedTensor>` `owner_capsule`
+        // leaked, owned by this capsule alone.
+        let t =
+            unsafe { Box::from_raw(ffi::PyCapsule_GetPointer(cap, OWNER.as_ptr()).cast::<ManagedTensor>()) };
+        // SAFETY: CPython calls capsule destructors with the GIL held.
+        unsafe { keeping_exception(|| drop(t)) }
+    }
+}
+
+/// A private capsule (named [`OWNER`]) that owns `t` until it is destroyed.
+pub fn owner_capsule(py: Python<'_>, t: ManagedTensor) -> PyResult<Bound<'_, PyAny>> {
+    let p = Box::into_raw(Box::new(t));
+    // SAFETY: a live heap pointer, a static name, the destructor that matches the name.
+    let cap = unsafe { ffi::PyCapsule_New(p.cast(), OWNER.as_ptr(), Some(destroy_owner)) };
+    // SAFETY: a new reference or NULL with an exception set.
+    unsafe { Bound::from_owned_ptr_or_err(py, cap) }.inspect_err(|_| {
+        // SAFETY: the capsule was not made, so the box is still ours.
+        drop(unsafe { Box::from_raw(p) });
+    })
+}
+
 /// A `"dltensor_versioned"` capsule owning `p` (its deleter runs if nobody consumes it). If the
 /// capsule cannot be made, the struct is deleted and the Python error returned.
 pub fn versioned_capsule(py: Python<'_>, p: NonNull<DLManagedTensorVersioned>) -> PyResult<Bound<'_, PyAny>> {

@@ -422,7 +422,17 @@ impl ExchangeApi {
     /// A new object of the table's type over `t` (`managed_tensor_to_py_object_no_sync`), without
     /// copying and without stream synchronisation. The table takes ownership of the tensor, on
     /// failure too (the standard's contract): its deleter is the table's to call.
+    ///
+    /// A read-only tensor is refused for a type with torch's state: torch has no read-only tensors
+    /// and its table ignores the flag, so the memory would come back writable.
     pub fn to_py_object<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
+        if self.is_torch() && t.is_read_only() {
+            return Err(PyBufferError::new_err(format!(
+                "cannot return a read-only tensor as a torch.Tensor (torch tensors are always writable): {}; \
+                 return a copy (ManagedTensor::to_contiguous) instead",
+                t.describe()
+            )));
+        }
         let f = self.api.managed_tensor_to_py_object_no_sync.expect("checked non-NULL");
         let raw = t.into_versioned_raw();
         let mut out: *mut c_void = std::ptr::null_mut();

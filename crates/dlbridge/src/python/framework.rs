@@ -14,12 +14,14 @@
 //! | anything else whose top-level module has `from_dlpack` (cupy, array-api-strict, older torch) | that function |
 //! | anything else                            | `dlbridge.Tensor`                                            |
 //!
-//! Allocation ([`Framework::empty`]): through the table's `managed_tensor_allocator` where the
-//! type has one (torch's caching allocator, CPU and CUDA), else a 256-byte aligned Rust buffer
-//! ([`crate::AlignedBuffer`]) that the framework adopts without copying. Host memory is handed
-//! out zero-filled: Rust references to uninitialised memory are not allowed, and the cost is one
-//! `memset` (free for the Rust buffer, whose pages come zeroed). Device memory is only ever
-//! reached through raw pointers, and is left as the allocator returns it.
+//! Allocation ([`Framework::empty`]): device memory (CUDA, and pinned or managed host memory)
+//! through the table's `managed_tensor_allocator` where the type has one (torch's caching
+//! allocator); CPU memory as a 256-byte aligned Rust buffer ([`crate::AlignedBuffer`]) that every
+//! framework adopts without copying (torch's CPU allocator is plain aligned `malloc`, and going
+//! through its table would cost a second tensor round trip, about 300 ns here, for nothing).
+//! Host memory is handed out zero-filled: Rust references to uninitialised memory are not
+//! allowed. Device memory is only ever reached through raw pointers, and is left as the allocator
+//! returns it.
 //!
 //! Streams: [`Framework::current_work_stream`] is the caller's current stream on a device (from
 //! the table; `None` where the framework has no table). A kernel that launches on that stream and
@@ -119,14 +121,6 @@ impl Framework {
     pub fn wrap<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
         match self.kind {
             Kind::Dlbridge => Ok(Bound::new(py, Tensor::new(t))?.into_any()),
-            // torch has no read-only tensors: its table would hand the memory out writable.
-            Kind::Table(api) if api.is_torch() && t.is_read_only() => {
-                Err(pyo3::exceptions::PyBufferError::new_err(format!(
-                    "cannot return a read-only tensor as a torch.Tensor (torch tensors are always writable): {}; \
-                     return a copy (ManagedTensor::to_contiguous) instead",
-                    t.describe()
-                )))
-            }
             Kind::Table(api) => api.to_py_object(py, t),
             Kind::Numpy => match super::numpy::adopt(py, t) {
                 Ok(made) => made,
@@ -158,19 +152,14 @@ impl Framework {
     }
 
     /// A new writable C-contiguous tensor of `T` with `shape` on `device`, to fill and return (see
-    /// the module docs: the framework's allocator where its table has one, else an aligned Rust
-    /// buffer; host memory zero-filled). Device memory needs a framework with an allocator.
+    /// the module docs: CPU memory an aligned Rust buffer, device memory the framework's allocator
+    /// through its table; host memory zero-filled). Device memory needs a framework with a table.
     pub fn empty<T: Element>(&self, py: Python<'_>, shape: &[usize], device: Device) -> PyResult<Output<T>> {
         let tensor = match self.kind {
-            Kind::Table(api) => {
-                let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-                let mut t = api.allocate(py, T::DTYPE, &dims, device)?;
-                if t.is_host_accessible() {
-                    zero(&mut t);
-                }
-                t
-            }
-            _ if device.is_host_accessible() => {
+            // Host memory: an aligned Rust buffer, zeroed as it is allocated, that every framework
+            // adopts without copying. (torch's CPU allocator is plain aligned malloc; going
+            // through its table would add a second tensor round trip, about 300 ns, for nothing.)
+            _ if device.is_host_accessible() && device.device_type() == crate::DeviceType::CPU => {
                 let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
                     pyo3::exceptions::PyValueError::new_err(format!(
                         "empty: shape {:?} has more elements than memory can hold",
@@ -178,6 +167,16 @@ impl Framework {
                     ))
                 })?;
                 ManagedTensor::from_host(crate::AlignedBuffer::<T>::zeroed(n), shape)?
+            }
+            // Device (and pinned or managed) memory: the framework's allocator, through its table
+            // (torch's caching allocator on CUDA).
+            Kind::Table(api) => {
+                let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                let mut t = api.allocate(py, T::DTYPE, &dims, device)?;
+                if t.is_host_accessible() {
+                    zero(&mut t);
+                }
+                t
             }
             _ => {
                 return Err(pyo3::exceptions::PyValueError::new_err(format!(

@@ -337,8 +337,9 @@ pub fn can_adopt(py: Python<'_>) -> bool {
 }
 
 /// A `numpy.ndarray` over `t`'s memory, made through numpy's C API without a copy: the array's
-/// `base` is a `"dltensor_versioned"` capsule that owns `t` (so the producer's deleter runs when
-/// numpy frees the array). `Err(t)` when numpy cannot hold it this way (not plain CPU memory, a
+/// `base` is a private capsule ([`super::capsule::OWNER`]) that owns `t`, so the producer's
+/// deleter runs when numpy frees the array and no DLPack consumer can take the tensor out from
+/// under it. `Err(t)` when numpy cannot hold it this way (not plain CPU memory, a
 /// dtype numpy has no number for, the C API unavailable): take `numpy.from_dlpack` instead.
 pub fn adopt<'py>(
     py: Python<'py>,
@@ -359,7 +360,7 @@ pub fn adopt<'py>(
     }
     let (nd, data) = (t.ndim() as c_int, t.data_ptr());
     let flags = if t.is_read_only() { 0 } else { NPY_ARRAY_WRITEABLE };
-    let base = match super::capsule::versioned_capsule(py, t.into_versioned_raw()) {
+    let base = match super::capsule::owner_capsule(py, t) {
         Ok(b) => b,
         Err(e) => return Ok(Err(e)),
     };

@@ -25,6 +25,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_from_vec_like, m)?)?;
     m.add_function(wrap_pyfunction!(_current_work_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(_table_allocate, m)?)?;
     m.add_class::<HostileBuffer>()?;
     // PyO3 lists every added function in `__all__`; hooks are private, so take them out again.
     let all = m.index()?;
@@ -244,4 +245,18 @@ fn _typed_probe(
     x: super::TensorRef<'_, f32, (crate::spec::Any, crate::spec::Dim<3>), crate::spec::C>,
 ) -> Vec<i64> {
     x.shape().to_vec()
+}
+
+/// float32 memory of `shape` on `device` from the exchange table of `like`'s type (its
+/// allocator), as a dlbridge Tensor.
+#[pyfunction]
+fn _table_allocate(
+    like: &Bound<'_, PyAny>,
+    shape: Vec<i64>,
+    device: super::PyDevice,
+) -> PyResult<crate::ManagedTensor> {
+    let api = super::cache::type_info(&like.get_type())?
+        .exchange
+        .ok_or_else(|| pyo3::exceptions::PyTypeError::new_err("no exchange table"))?;
+    api.allocate(like.py(), crate::DataType::FLOAT32, &shape, device.0)
 }

@@ -55,6 +55,7 @@ type Stated<T, S, O, D> = PhantomData<fn() -> (T, S, O, D)>;
 /// A read-only typed tensor argument: element type `T`, shape `S` ([`AnyShape`], `Rank<N>`, or a
 /// tuple of `Dim<N>`/`Any`), order `O` ([`AnyOrder`], `C`, `F`) and device `D` ([`Cpu`], `Cuda`,
 /// `AnyDevice`), checked at conversion. Derefs to [`ManagedTensor`] for the metadata.
+#[repr(transparent)]
 pub struct TensorRef<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
     view: TensorView<'a>,
     _spec: Stated<T, S, O, D>,
@@ -62,6 +63,7 @@ pub struct TensorRef<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
 
 /// A writable typed tensor argument: as [`TensorRef`], and the tensor must be writable (not
 /// read-only, no two elements sharing memory); gives mutable slices and views.
+#[repr(transparent)]
 pub struct TensorMut<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
     view: TensorView<'a>,
     _spec: Stated<T, S, O, D>,
@@ -122,8 +124,16 @@ macro_rules! common {
 
             #[inline]
             fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-                let view = <TensorView<'a> as FromPyObject<'a, 'py>>::extract(obj)?;
-                Ok(Self::new(view)?)
+                // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
+                let r = unsafe { TensorView::borrow_for(&obj) };
+                // The check folds to a few comparisons for the constant spec; the refusal is cold.
+                // (The accepted view is rewrapped in place: `Self` is a transparent wrapper.)
+                match &r {
+                    Ok(view) if view.first_failure(&SpecOf::<T, S, O, D>::$spec).is_some() => {
+                        Err(Self::new(r.expect("matched Ok")).err().expect("a failure was found").into())
+                    }
+                    _ => r.map(|view| Self { view, _spec: PhantomData }),
+                }
             }
         }
 

@@ -169,7 +169,7 @@ impl<'a> TensorView<'a> {
     ///
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
-    unsafe fn borrow_for(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+    pub(crate) unsafe fn borrow_for(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         super::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
