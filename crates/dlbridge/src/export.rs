@@ -127,6 +127,26 @@ impl<T: Element> AlignedBuffer<T> {
         Self { ptr, len }
     }
 
+    /// [`AlignedBuffer::zeroed`] that reports a size that overflows or an allocation that fails
+    /// ([`Error::BufferMismatch`] naming the size) instead of panicking or aborting: for sizes that
+    /// come from outside (a caller's shape).
+    pub fn try_zeroed(len: usize) -> Result<Self> {
+        let refuse = |what: &str| Error::BufferMismatch {
+            expected: format!("{len} elements of {} bytes {what}", size_of::<T>()),
+            found: "more than can be allocated".into(),
+        };
+        let size = len.checked_mul(size_of::<T>()).ok_or_else(|| refuse("(the size overflows)"))?;
+        let layout = Layout::from_size_align(size, ALIGNMENT.max(align_of::<T>()))
+            .map_err(|_| refuse("(the size overflows isize)"))?;
+        if layout.size() == 0 {
+            return Ok(Self::zeroed(len));
+        }
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw.cast::<T>()).ok_or_else(|| refuse("(the allocation failed)"))?;
+        Ok(Self { ptr, len })
+    }
+
     /// A copy of `src` in a new aligned buffer.
     pub fn from_slice(src: &[T]) -> Self {
         let mut b = Self::zeroed(src.len());
@@ -558,23 +578,6 @@ impl ManagedTensor {
         export_versioned(Parts { device, ..self.parts() }, flags, Arc::clone(self))
     }
 
-    /// This tensor as an owning versioned struct for a consumer that takes ownership: its own
-    /// struct when it has one (no allocation), else a versioned struct over it (a legacy import).
-    #[cfg(feature = "python")]
-    pub(crate) fn into_versioned_raw(self) -> NonNull<DLManagedTensorVersioned> {
-        if self.is_versioned() {
-            match self.into_raw() {
-                crate::RawManagedTensor::Versioned(p) => {
-                    // SAFETY: into_raw hands out the live, non-NULL struct it owned.
-                    unsafe { NonNull::new_unchecked(p) }
-                }
-                crate::RawManagedTensor::Legacy(_) => unreachable!("checked versioned"),
-            }
-        } else {
-            Arc::new(self).export_versioned()
-        }
-    }
-
     /// [`ManagedTensor::export_legacy`] with the device the consumer asked for.
     #[cfg(feature = "python")]
     pub(crate) fn export_legacy_as(self: &Arc<Self>, device: Device) -> NonNull<DLManagedTensor> {
@@ -616,6 +619,14 @@ mod tests {
             assert_eq!(b.len(), len);
         }
         assert_eq!(&*AlignedBuffer::from_slice(&[1.5f32, 2.5]), &[1.5, 2.5]);
+    }
+
+    #[test]
+    fn try_zeroed_reports_sizes_it_cannot_allocate() {
+        assert!(AlignedBuffer::<u64>::try_zeroed(usize::MAX / 4).is_err());
+        assert!(AlignedBuffer::<u8>::try_zeroed(isize::MAX as usize).is_err());
+        assert_eq!(AlignedBuffer::<u16>::try_zeroed(3).unwrap().len(), 3);
+        assert_eq!(AlignedBuffer::<u16>::try_zeroed(0).unwrap().len(), 0);
     }
 
     #[test]

@@ -165,6 +165,9 @@ impl fmt::Display for Mismatch {
         // Strides are shown when they are not the compact row-major ones.
         if !crate::layout::is_c_contiguous(&self.shape, &self.strides) {
             write!(f, " strides {}", tuple(&self.strides))?;
+            if self.field == Field::Writable && !self.read_only {
+                f.write_str(" (elements overlap)")?;
+            }
         }
         write!(f, " on {}", self.device)
     }
@@ -442,6 +445,22 @@ mod tests {
         let ro = ManagedTensor::from_vec(vec![1.0f64], &[1]).unwrap().into_read_only();
         assert_eq!(field(&ro, &spec_of::<f64, Rank<1>, C, Cpu>(true)), Some(Field::Writable));
         assert_eq!(field(&ro, &Spec::ANY), None);
+    }
+
+    #[test]
+    fn overlap_is_named_when_it_is_why_writing_is_refused() {
+        // A foreign tensor whose elements overlap but which is not marked read-only (torch's
+        // `expand`): the refusal says why.
+        let t = t(&[3], &[0]);
+        let mut m = match t.check(&spec_of::<f64, AnyShape, AnyOrder, Cpu>(true)) {
+            Err(Error::Mismatch(m)) => m,
+            other => panic!("{other:?}"),
+        };
+        m.read_only = false;
+        assert_eq!(
+            m.to_string(),
+            "expected writable float64 cpu tensor, got float64 (3,) strides (0,) (elements overlap) on cpu"
+        );
     }
 
     #[test]

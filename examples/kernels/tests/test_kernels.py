@@ -266,3 +266,21 @@ def test_add_transposed_refusals():
     assert str(e.value) == "expected float64 2-d cpu tensor, got float32 (3, 4) on cpu"
     if sys.version_info >= (3, 11):
         assert notes(e.value) == ["while processing 'a'"]
+
+
+def test_writing_a_torch_tensor_bumps_its_version_so_autograd_refuses_stale_graphs():
+    t = torch()
+    w = t.tensor([2.0], requires_grad=True)
+    x = t.tensor([3.0])
+    y = (w * x).sum()
+    before = x._version
+    K.saxpy_(1.0, t.ones(1), x)
+    assert x._version == before + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_a_huge_broadcast_input_is_a_memory_error():
+    x = np.broadcast_to(np.float64(0), (1 << 20, 1 << 20))
+    with pytest.raises(MemoryError):
+        K.add_transposed(x, x)

@@ -179,7 +179,7 @@ def test_read_only_memory_is_refused_as_a_torch_result_and_kept_read_only_elsewh
     np = need("numpy")
     a = np.arange(4.0)
     a.flags.writeable = False
-    with pytest.raises(BufferError, match="cannot return a read-only tensor as a torch.Tensor"):
+    with pytest.raises(BufferError, match=r"cannot return this tensor as a torch.Tensor \(torch tensors are always writable\)"):
         hooks()._wrap_like(torch.zeros(1), dlbridge.from_dlpack(a))
     out = hooks()._wrap_like(np.zeros(1), dlbridge.from_dlpack(a))
     assert not out.flags.writeable and out.tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -240,3 +240,49 @@ def test_torch_table_allocator_errors_come_back_as_exceptions():
         pytest.skip("a CUDA device is present: the allocation would succeed")
     with pytest.raises(Exception, match="managed_tensor_allocator: "):
         hooks()._table_allocate(torch.zeros(1), [3], dlbridge.Device("cuda", 0))
+
+
+def test_negative_strides_are_refused_as_a_torch_result_and_the_producer_released():
+    torch = need("torch")
+    np = need("numpy")
+    import gc
+    import weakref
+
+    class Owner(np.ndarray):
+        pass
+
+    a = np.arange(5.0).view(Owner)
+    ref = weakref.ref(a)
+    t = dlbridge.from_dlpack(a[::-1])
+    del a
+    with pytest.raises(BufferError, match=r"cannot return this tensor as a torch.Tensor \(torch tensors cannot have negative strides\)"):
+        hooks()._wrap_like(torch.zeros(1), t)
+    del t
+    gc.collect()
+    assert ref() is None  # the producer's deleter ran (once: a second run would crash or warn)
+
+
+def test_a_table_refusal_releases_the_tensor_exactly_once():
+    """torch's table throws without releasing what it refused (a float8_e4m3b11fnuz tensor, code 9,
+    which no installed library exports, so a counted fake producer makes it): dlbridge then runs
+    the producer's deleter itself, exactly once."""
+    torch = need("torch")
+    from ._dlpack_ctypes import FakeCapsule
+
+    fake = FakeCapsule(dtype=(9, 8, 1), shape=(4,), strides=(1,))
+    t = dlbridge.from_dlpack(fake)
+    with pytest.raises(Exception, match="9|[Uu]nsupported"):
+        hooks()._wrap_like(torch.zeros(1), t)
+    assert fake.deleted == 0  # the Tensor still holds its own reference
+    del t
+    import gc
+
+    gc.collect()
+    assert fake.deleted == 1
+
+
+def test_empty_of_an_impossible_size_is_a_memory_error_not_an_abort():
+    np = need("numpy")
+    x = np.broadcast_to(np.float32(0), (1 << 20, 1 << 20))
+    with pytest.raises(MemoryError, match="empty: shape"):
+        hooks()._empty_like_probe(x)

@@ -420,27 +420,52 @@ impl ExchangeApi {
 
 impl ExchangeApi {
     /// A new object of the table's type over `t` (`managed_tensor_to_py_object_no_sync`), without
-    /// copying and without stream synchronisation. The table takes ownership of the tensor, on
-    /// failure too (the standard's contract): its deleter is the table's to call.
+    /// copying and without stream synchronisation. The producer's deleter runs exactly once: when
+    /// the new object is freed, or, if the table refuses the tensor without releasing it (torch
+    /// keeps neither the tensor nor its deleter when it throws), here.
     ///
-    /// A read-only tensor is refused for a type with torch's state: torch has no read-only tensors
-    /// and its table ignores the flag, so the memory would come back writable.
+    /// Refused for a type with torch's state, with a message saying why: a read-only tensor (torch
+    /// has no read-only tensors and its table ignores the flag, so the memory would come back
+    /// writable) and negative strides (torch has none).
     pub fn to_py_object<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
-        if self.is_torch() && t.is_read_only() {
-            return Err(PyBufferError::new_err(format!(
-                "cannot return a read-only tensor as a torch.Tensor (torch tensors are always writable): {}; \
-                 return a copy (ManagedTensor::to_contiguous) instead",
-                t.describe()
-            )));
+        if self.is_torch() {
+            let why = if t.is_read_only() {
+                Some("torch tensors are always writable")
+            } else if t.strides().iter().zip(t.shape()).any(|(&s, &d)| s < 0 && d > 1) {
+                Some("torch tensors cannot have negative strides")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(PyBufferError::new_err(format!(
+                    "cannot return this tensor as a torch.Tensor ({why}): {}; return a copy \
+                     (ManagedTensor::to_contiguous) instead",
+                    t.describe()
+                )));
+            }
         }
         let f = self.api.managed_tensor_to_py_object_no_sync.expect("checked non-NULL");
-        let raw = t.into_versioned_raw();
+        // Our own struct over the tensor, whose owner tells whether the table released it.
+        let owner = Arc::new(t);
+        let alive = Arc::downgrade(&owner);
+        let raw = owner.export_versioned();
+        drop(owner);
         let mut out: *mut c_void = std::ptr::null_mut();
         // SAFETY: an owning versioned struct handed over, the GIL held (`py`), a writable out-pointer.
         if unsafe { f(raw.as_ptr(), &mut out) } != 0 {
-            return Err(PyErr::take(py).unwrap_or_else(|| {
+            let err = PyErr::take(py).unwrap_or_else(|| {
                 PyBufferError::new_err("managed_tensor_to_py_object_no_sync failed without an exception")
-            }));
+            });
+            if alive.strong_count() > 0 {
+                // SAFETY: the table refused the struct and did not delete it (its only owner is
+                // alive), so it is still ours to delete, once.
+                unsafe {
+                    if let Some(d) = (*raw.as_ptr()).deleter {
+                        d(raw.as_ptr());
+                    }
+                }
+            }
+            return Err(err);
         }
         // SAFETY: on success a new reference (NULL is an error).
         unsafe { Bound::from_owned_ptr_or_err(py, out.cast()) }

@@ -14,9 +14,9 @@
 //! | anything else whose top-level module has `from_dlpack` (cupy, array-api-strict, older torch) | that function |
 //! | anything else                            | `dlbridge.Tensor`                                            |
 //!
-//! Allocation ([`Framework::empty`]): device memory (CUDA, and pinned or managed host memory)
-//! through the table's `managed_tensor_allocator` where the type has one (torch's caching
-//! allocator); CPU memory as a 256-byte aligned Rust buffer ([`crate::AlignedBuffer`]) that every
+//! Allocation ([`Framework::empty`]): device memory through the table's
+//! `managed_tensor_allocator` where the type has one (torch's caching allocator on CUDA; torch's
+//! refuses pinned and managed host memory, and reports every refusal as a `MemoryError`); CPU memory as a 256-byte aligned Rust buffer ([`crate::AlignedBuffer`]) that every
 //! framework adopts without copying (torch's CPU allocator is plain aligned `malloc`, and going
 //! through its table would cost a second tensor round trip, about 300 ns here, for nothing).
 //! Host memory is handed out zero-filled: Rust references to uninitialised memory are not
@@ -117,7 +117,10 @@ impl Framework {
     /// the frameworks reached through their own `from_dlpack` decide for themselves, and copy
     /// only if they cannot hold the memory, as jax does for host memory not aligned to 64 bytes).
     /// A read-only tensor keeps its flag (numpy, dlbridge) or is refused where the framework has
-    /// no read-only tensors and its table would make it writable (torch).
+    /// no read-only tensors and its table would make it writable (torch); jax and tensorflow take
+    /// their input through a legacy capsule here, which cannot say read-only, so a read-only
+    /// tensor is refused for them too (return a writable copy). torch also refuses negative
+    /// strides.
     pub fn wrap<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
         match self.kind {
             Kind::Dlbridge => Ok(Bound::new(py, Tensor::new(t))?.into_any()),
@@ -159,19 +162,26 @@ impl Framework {
             // Host memory: an aligned Rust buffer, zeroed as it is allocated, that every framework
             // adopts without copying. (torch's CPU allocator is plain aligned malloc; going
             // through its table would add a second tensor round trip, about 300 ns, for nothing.)
-            _ if device.is_host_accessible() && device.device_type() == crate::DeviceType::CPU => {
-                let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
-                    pyo3::exceptions::PyValueError::new_err(format!(
-                        "empty: shape {:?} has more elements than memory can hold",
-                        shape
-                    ))
+            _ if device.device_type() == crate::DeviceType::CPU => {
+                let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+                let buf = n
+                    .map(crate::AlignedBuffer::<T>::try_zeroed)
+                    .unwrap_or_else(|| crate::AlignedBuffer::<T>::try_zeroed(usize::MAX));
+                let buf = buf.map_err(|e| {
+                    pyo3::exceptions::PyMemoryError::new_err(format!("empty: shape {shape:?}: {e}"))
                 })?;
-                ManagedTensor::from_host(crate::AlignedBuffer::<T>::zeroed(n), shape)?
+                ManagedTensor::from_host(buf, shape)?
             }
-            // Device (and pinned or managed) memory: the framework's allocator, through its table
-            // (torch's caching allocator on CUDA).
+            // Device memory: the framework's allocator, through its table (torch's caching
+            // allocator on CUDA; torch's refuses pinned and managed host memory).
             Kind::Table(api) => {
-                let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                let dims = shape.iter().map(|&d| i64::try_from(d)).collect::<Result<Vec<i64>, _>>().map_err(
+                    |_| {
+                        pyo3::exceptions::PyValueError::new_err(format!(
+                            "empty: shape {shape:?} exceeds int64"
+                        ))
+                    },
+                )?;
                 let mut t = api.allocate(py, T::DTYPE, &dims, device)?;
                 if t.is_host_accessible() {
                     zero(&mut t);

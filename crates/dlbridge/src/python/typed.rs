@@ -2,8 +2,10 @@
 //! kernel needs in their type (element type, shape, order, device; see [`crate::spec`]) and check
 //! it once, at argument conversion, over a borrowed [`TensorView`] (no capsule, no copy). A
 //! mismatch is a `TypeError` that PyO3 prefixes with the argument's name:
-//! `argument 'x': expected float32 2-d C-contiguous cpu tensor, got float64 (3, 4) strides (1, 3) on cpu`;
-//! Rust code that converts by hand ([`TensorView::typed`]) gets [`crate::Error::Mismatch`].
+//! `expected float32 2-d C-contiguous cpu tensor, got float64 (3, 4) strides (1, 3) on cpu`, which
+//! PyO3 tags with the note `while processing 'x'` (Python 3.11 and later); Rust code that converts
+//! by hand ([`TensorView::typed`]) gets [`crate::Error::Mismatch`] (and [`super::argument_error`]
+//! words it the same way).
 //!
 //! ```no_run
 //! use dlbridge::python::{TensorMut, TensorRef};
@@ -31,6 +33,14 @@
 //! ndarray views first, then runs without the GIL (`py.detach(|| ...)`) or on rayon's threads.
 //! The arguments themselves are not `Send`: they may hold a Python buffer view, whose release needs
 //! the GIL, and their storage block belongs to the thread's pool.
+//!
+//! What the guards cannot stop: the caller's own library changing the memory. While the GIL is
+//! released, other Python threads run; a torch `x.set_(...)` or `x.resize_(...)` there frees the
+//! storage under every DLPack consumer of `x` (`numpy.from_dlpack(x)` crashes the same way), and
+//! so does calling such a method through [`TensorRef::object`] while a guard lives. numpy refuses
+//! to resize an array that is referenced (unless told `refcheck=False`). Kernels must not
+//! reallocate their arguments, and callers must not while a kernel runs: the zero-copy contract
+//! of every binding.
 //!
 //! ```compile_fail,E0277
 //! fn send<T: Send>(_: T) {}
@@ -70,7 +80,7 @@ pub struct TensorMut<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
 }
 
 macro_rules! common {
-    ($ty:ident, $spec:ident) => {
+    ($ty:ident, $spec:ident, $writes:literal) => {
         impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> $ty<'a, T, S, O, D> {
             /// Checks `view` against the stated requirements.
             #[inline]
@@ -132,6 +142,10 @@ macro_rules! common {
                     Ok(view) if view.first_failure(&SpecOf::<T, S, O, D>::$spec).is_some() => {
                         Err(Self::new(r.expect("matched Ok")).err().expect("a failure was found").into())
                     }
+                    Ok(_) if $writes => {
+                        bump_torch_version(&obj)?;
+                        r.map(|view| Self { view, _spec: PhantomData })
+                    }
                     _ => r.map(|view| Self { view, _spec: PhantomData }),
                 }
             }
@@ -162,8 +176,30 @@ macro_rules! common {
     };
 }
 
-common!(TensorRef, READ);
-common!(TensorMut, WRITE);
+common!(TensorRef, READ, false);
+common!(TensorMut, WRITE, true);
+
+/// A torch tensor taken for writing has its version counter bumped, as torch's own in-place
+/// operations do, so autograd refuses a backward pass through a value the kernel overwrote
+/// ("modified by an inplace operation") instead of computing wrong gradients. One call of
+/// `torch._C._increment_version` (about 2 us here) per torch `TensorMut`; nothing for other types.
+fn bump_torch_version(obj: &Borrowed<'_, '_, PyAny>) -> PyResult<()> {
+    let py = obj.py();
+    if super::cache::type_info(&obj.get_type())?.torch.is_none() {
+        return Ok(());
+    }
+    static BUMP: pyo3::sync::PyOnceLock<Option<Py<PyAny>>> = pyo3::sync::PyOnceLock::new();
+    let bump = BUMP.get_or_init(py, || {
+        py.import("torch")
+            .and_then(|t| t.getattr("_C")?.getattr("_increment_version"))
+            .ok()
+            .map(Bound::unbind)
+    });
+    if let Some(f) = bump {
+        f.bind(py).call1((pyo3::types::PyTuple::new(py, [obj.as_any()])?,))?;
+    }
+    Ok(())
+}
 
 /// Device requirements under which the memory is host-accessible (typed slices and views).
 pub trait HostSpec: DeviceSpec {}
