@@ -179,6 +179,59 @@ impl ManagedTensor {
         Ok(SliceMut { slice, _lease: lease })
     }
 
+    /// The refusal of a typed strided view (ndarray, faer, nalgebra, ...): "expected float32
+    /// writable host tensor{what}, got ...".
+    #[cfg_attr(
+        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "image")),
+        allow(dead_code)
+    )]
+    pub(crate) fn refuse_view<T: Element>(&self, write: bool, what: &str) -> Error {
+        self.refuse(format!("{}{} host tensor{what}", T::DTYPE, if write { " writable" } else { "" }))
+    }
+
+    /// The one check-and-lease path of every typed strided view over this tensor (the ndarray,
+    /// faer, nalgebra and image bridges): host memory of dtype `T`, writable (if `write`),
+    /// aligned, elements that do not overlap (if `write`: a mutable view may not alias), valid
+    /// bytes for `T`; then a shared (or, for `write`, exclusive) lease on the span, taken before
+    /// any element is read. Returns the first element (index `0, ..., 0`; a dangling, aligned
+    /// pointer for an empty tensor) and the lease, which the view must hold while it lives.
+    #[cfg_attr(
+        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "image")),
+        allow(dead_code)
+    )]
+    pub(crate) fn strided_view<T: Element>(&self, write: bool) -> Result<(std::ptr::NonNull<T>, Lease)> {
+        if !self.is_host_of(T::DTYPE) || (write && self.is_read_only()) {
+            return Err(self.refuse_view::<T>(write, ""));
+        }
+        if self.numel() == 0 {
+            return Ok((std::ptr::NonNull::dangling(), self.lease(write)?));
+        }
+        let first = self.data_ptr().cast::<T>();
+        if !first.is_aligned() {
+            return Err(self.refuse_view::<T>(write, " with aligned data"));
+        }
+        if write && layout::may_overlap(self.shape(), self.strides()) {
+            return Err(
+                self.refuse_view::<T>(write, " whose elements do not overlap (a mutable view may not alias)")
+            );
+        }
+        let lease = self.lease(write)?;
+        if !T::ALL_BIT_PATTERNS_VALID {
+            for off in self.offsets() {
+                // SAFETY: each offset addresses a whole element inside the validated span of host
+                // memory, and the lease keeps dlbridge's mutable access away while it is read.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(first.offset(off as isize).cast::<u8>(), size_of::<T>())
+                };
+                if !T::is_valid_bytes(bytes) {
+                    return Err(self.refuse_view::<T>(write, " of valid values"));
+                }
+            }
+        }
+        // SAFETY: numel > 0, so validation required non-NULL data.
+        Ok((unsafe { std::ptr::NonNull::new_unchecked(first) }, lease))
+    }
+
     /// Element offsets (in elements, from the first element) in row-major index order.
     pub(crate) fn offsets(&self) -> impl Iterator<Item = i64> + '_ {
         let shape = self.shape();
