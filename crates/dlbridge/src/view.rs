@@ -182,7 +182,13 @@ impl ManagedTensor {
     /// The refusal of a typed strided view (ndarray, faer, nalgebra, ...): "expected float32
     /// writable host tensor{what}, got ...".
     #[cfg_attr(
-        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "image")),
+        not(any(
+            feature = "ndarray",
+            feature = "faer",
+            feature = "nalgebra",
+            feature = "image",
+            feature = "arrow"
+        )),
         allow(dead_code)
     )]
     pub(crate) fn refuse_view<T: Element>(&self, write: bool, what: &str) -> Error {
@@ -196,7 +202,13 @@ impl ManagedTensor {
     /// any element is read. Returns the first element (index `0, ..., 0`; a dangling, aligned
     /// pointer for an empty tensor) and the lease, which the view must hold while it lives.
     #[cfg_attr(
-        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "image")),
+        not(any(
+            feature = "ndarray",
+            feature = "faer",
+            feature = "nalgebra",
+            feature = "image",
+            feature = "arrow"
+        )),
         allow(dead_code)
     )]
     pub(crate) fn strided_view<T: Element>(&self, write: bool) -> Result<(std::ptr::NonNull<T>, Lease)> {

@@ -24,7 +24,8 @@
 #[cfg(feature = "faer")]
 pub mod faer;
 // TODO-MOD image
-// TODO-MOD nalgebra
+#[cfg(feature = "nalgebra")]
+pub mod nalgebra;
 
 #[allow(unused_imports)]
 use crate::{Error, ManagedTensor, Result};
