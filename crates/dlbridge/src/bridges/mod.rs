@@ -18,7 +18,8 @@
 //! through [`ManagedTensor::from_host_strided`] and [`crate::HostBuffer`], so they are validated
 //! like any foreign tensor and free the other crate's storage exactly once.
 
-// TODO-MOD arrow
+#[cfg(feature = "arrow")]
+pub mod arrow;
 // TODO-MOD candle
 // TODO-MOD cudarc
 #[cfg(feature = "faer")]
