@@ -182,13 +182,7 @@ impl ManagedTensor {
     /// The refusal of a typed strided view (ndarray, faer, nalgebra, ...): "expected float32
     /// writable host tensor{what}, got ...".
     #[cfg_attr(
-        not(any(
-            feature = "ndarray",
-            feature = "faer",
-            feature = "nalgebra",
-            feature = "image",
-            feature = "arrow"
-        )),
+        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "arrow")),
         allow(dead_code)
     )]
     pub(crate) fn refuse_view<T: Element>(&self, write: bool, what: &str) -> Error {
@@ -196,19 +190,13 @@ impl ManagedTensor {
     }
 
     /// The one check-and-lease path of every typed strided view over this tensor (the ndarray,
-    /// faer, nalgebra and image bridges): host memory of dtype `T`, writable (if `write`),
+    /// faer, nalgebra and arrow bridges): host memory of dtype `T`, writable (if `write`),
     /// aligned, elements that do not overlap (if `write`: a mutable view may not alias), valid
     /// bytes for `T`; then a shared (or, for `write`, exclusive) lease on the span, taken before
     /// any element is read. Returns the first element (index `0, ..., 0`; a dangling, aligned
     /// pointer for an empty tensor) and the lease, which the view must hold while it lives.
     #[cfg_attr(
-        not(any(
-            feature = "ndarray",
-            feature = "faer",
-            feature = "nalgebra",
-            feature = "image",
-            feature = "arrow"
-        )),
+        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "arrow")),
         allow(dead_code)
     )]
     pub(crate) fn strided_view<T: Element>(&self, write: bool) -> Result<(std::ptr::NonNull<T>, Lease)> {

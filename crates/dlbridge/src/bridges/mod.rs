@@ -24,7 +24,8 @@ pub mod arrow;
 // TODO-MOD cudarc
 #[cfg(feature = "faer")]
 pub mod faer;
-// TODO-MOD image
+#[cfg(feature = "image")]
+pub mod image;
 #[cfg(feature = "nalgebra")]
 pub mod nalgebra;
 
