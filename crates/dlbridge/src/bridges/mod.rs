@@ -20,7 +20,8 @@
 
 #[cfg(feature = "arrow")]
 pub mod arrow;
-// TODO-MOD candle
+#[cfg(feature = "candle")]
+pub mod candle;
 // TODO-MOD cudarc
 #[cfg(feature = "faer")]
 pub mod faer;
