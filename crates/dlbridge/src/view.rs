@@ -95,7 +95,18 @@ impl ManagedTensor {
     /// Registers the byte range this tensor's elements span (nothing for an empty or non-host
     /// tensor), shared or exclusive; see [`crate::borrow`].
     pub(crate) fn lease(&self, exclusive: bool) -> Result<Lease> {
-        if self.numel() == 0 || !self.is_host_accessible() {
+        if !self.is_host_accessible() {
+            return Lease::acquire(0, 0, exclusive);
+        }
+        self.lease_span(exclusive)
+    }
+
+    /// [`ManagedTensor::lease`] for a tensor on any device whose `data` is an address in the
+    /// process's one address space (host memory, and CUDA memory, which unified virtual addressing
+    /// keeps apart from host addresses): the typed CUDA views lease device ranges through it.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn lease_span(&self, exclusive: bool) -> Result<Lease> {
+        if self.numel() == 0 {
             return Lease::acquire(0, 0, exclusive);
         }
         let bits = self.dtype().storage_bits(self.flags().is_subbyte_padded());
