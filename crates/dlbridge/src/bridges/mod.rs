@@ -22,7 +22,8 @@
 pub mod arrow;
 #[cfg(feature = "candle")]
 pub mod candle;
-// TODO-MOD cudarc
+#[cfg(feature = "cudarc")]
+pub mod cudarc;
 #[cfg(feature = "faer")]
 pub mod faer;
 #[cfg(feature = "image")]
