@@ -20,14 +20,31 @@ fn row_major_and_column_major_tensors_are_strided_views_of_the_same_memory() {
     let v = g.view();
     assert_eq!(v.as_ptr(), t.data_ptr().cast_const().cast::<i64>());
     assert_eq!(v.strides(), (3, 1));
-    assert_eq!(v, DMatrix::from_row_slice(2, 3, &[0, 1, 2, 3, 4, 5]));
+    assert_eq!((v[(0, 2)], v[(1, 0)], v[(1, 2)]), (2, 3, 5));
     let f = ManagedTensor::from_host_strided((0..6).collect::<Vec<i64>>(), &[3, 2], &[1, 3], 0).unwrap();
     assert_eq!(f.as_dmatrix::<i64>().unwrap().view(), DMatrix::from_column_slice(3, 2, &[0, 1, 2, 3, 4, 5]));
     // Every other element of a vector.
     let s = ManagedTensor::from_host_strided(vec![1.0f32, 9.0, 2.0, 9.0, 3.0], &[3], &[2], 0).unwrap();
     let g = s.as_dvector::<f32>().unwrap();
-    assert_eq!(g.view(), DVector::from_vec(vec![1.0f32, 2.0, 3.0]));
+    assert_eq!((g.view().len(), g.view()[1], g.view()[2]), (3, 2.0, 3.0));
     assert_eq!(g.view().as_ptr(), s.data_ptr().cast_const().cast::<f32>());
+}
+
+/// nalgebra's matrix iterator (used by `==`, `sum`, `iter`) computes, with `ptr.add`, the
+/// address one row stride past the last element of each column: out of bounds of the allocation
+/// for a row-major view or a strided vector. Miri reports it as undefined behaviour in nalgebra
+/// itself, for views nalgebra makes from a slice (`from_slice_with_strides_generic`) as much as
+/// for ours; natively it is an address computation that is never dereferenced.
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "nalgebra's iterator offsets out of bounds on row-major and strided views (nalgebra's own UB)"
+)]
+fn strided_views_iterate() {
+    let t = ManagedTensor::from_vec((0..6).collect::<Vec<i64>>(), &[2, 3]).unwrap();
+    assert_eq!(t.as_dmatrix::<i64>().unwrap().view(), DMatrix::from_row_slice(2, 3, &[0, 1, 2, 3, 4, 5]));
+    let s = ManagedTensor::from_host_strided(vec![1.0f32, 9.0, 2.0, 9.0, 3.0], &[3], &[2], 0).unwrap();
+    assert_eq!(s.as_dvector::<f32>().unwrap().view(), DVector::from_vec(vec![1.0f32, 2.0, 3.0]));
 }
 
 #[test]

@@ -5,6 +5,12 @@
 //! nalgebra's strides are unsigned, so a tensor with a negative stride (a reversed axis) is
 //! refused with an error that says so (copy it with [`ManagedTensor::to_contiguous`] first).
 //!
+//! Known in nalgebra 0.34 itself: its element iterator (behind `==`, `sum`, `iter`, `add_scalar`)
+//! computes with `ptr.add` an address one row stride past each column's last element, which lies
+//! outside the allocation for a row-major view or a strided vector. Miri reports this as undefined
+//! behaviour in nalgebra for views nalgebra makes from a slice too; the address is never read.
+//! Indexing and the views themselves are unaffected.
+//!
 //! ```
 //! use dlbridge::ManagedTensor;
 //! use nalgebra::{DMatrix, DVector};
