@@ -81,3 +81,23 @@ fn a_mutable_image_excludes_other_handles() {
     drop(g);
     assert!(b.as_image::<Rgb<u8>>().is_ok());
 }
+
+#[test]
+fn into_image_owns_the_tensor_and_its_lease() {
+    let t = Arc::new(ManagedTensor::from_vec((0..12).collect::<Vec<u8>>(), &[2, 2, 3]).unwrap());
+    // SAFETY: fresh exports of a live tensor.
+    let a = unsafe { ManagedTensor::from_raw_versioned(t.export_versioned().as_ptr()) }.unwrap();
+    // SAFETY: as above.
+    let mut b = unsafe { ManagedTensor::from_raw_versioned(t.export_versioned().as_ptr()) }.unwrap();
+    let img = a.into_image::<Rgb<u8>>().unwrap();
+    assert_eq!(img.as_raw().as_ptr(), t.data_ptr().cast_const().cast::<u8>());
+    assert_eq!(*img.get_pixel(1, 1), Rgb([9, 10, 11]));
+    assert!(matches!(b.as_slice_mut::<u8>(), Err(Error::AlreadyBorrowed { .. })));
+    assert_eq!(Arc::strong_count(&t), 3);
+    drop(img);
+    assert_eq!(Arc::strong_count(&t), 2, "the image's tensor was released with it");
+    b.as_slice_mut::<u8>().unwrap()[0] = 1;
+    let f = ManagedTensor::from_host_strided(vec![0u8; 12], &[2, 2, 3], &[3, 6, 1], 0).unwrap();
+    let e = f.into_image::<Rgb<u8>>().unwrap_err().to_string();
+    assert!(e.contains("in C order"), "{e}");
+}

@@ -169,6 +169,16 @@ fn image_invert(mut t: ManagedTensor) -> PyResult<((u32, u32), usize)> {
     Ok((im.dimensions(), im.as_raw().as_ptr() as usize))
 }
 
+/// An RGB uint8 HWC tensor as an owned `ImageBuffer` (the container owns the tensor); returns the
+/// image's size, the address of its samples and the mean of its red channel.
+#[pyfunction]
+fn image_owned(t: ManagedTensor) -> PyResult<((u32, u32), usize, f64)> {
+    let img = t.into_image::<image::Rgb<u8>>()?;
+    let n = f64::from(img.width() * img.height());
+    let red = img.pixels().map(|p| f64::from(p.0[0])).sum::<f64>() / n;
+    Ok((img.dimensions(), img.as_raw().as_ptr() as usize, red))
+}
+
 /// An RGBA uint8 `ImageBuffer` (`x`, `y`, 7, 255 per pixel) exported as an HWC tensor without
 /// copying; with the image's address.
 #[pyfunction]
@@ -272,6 +282,7 @@ fn dlbridge_bridges(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(arrow_tensor_to_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(image_invert, m)?)?;
     m.add_function(wrap_pyfunction!(image_make, m)?)?;
+    m.add_function(wrap_pyfunction!(image_owned, m)?)?;
     m.add_function(wrap_pyfunction!(candle_transposed, m)?)?;
     m.add_function(wrap_pyfunction!(candle_row_sums, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_view_check, m)?)?;

@@ -152,6 +152,14 @@ def test_image_over_numpy_hwc_in_place():
         b.image_invert(np.zeros((3, 2, 3), dtype=np.uint8).transpose(1, 0, 2))
 
 
+def test_owned_image_over_a_torch_tensor():
+    torch = _torch()
+    x = torch.zeros((2, 4, 3), dtype=torch.uint8)
+    x[..., 0] = 8
+    (w, h), ptr, red = b.image_owned(x)
+    assert (w, h) == (4, 2) and ptr == x.data_ptr() and red == 8.0
+
+
 def test_image_buffer_exports_hwc_to_torch():
     torch = _torch()
     t, ptr = b.image_make(4, 2)

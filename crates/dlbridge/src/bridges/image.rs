@@ -2,6 +2,9 @@
 //! a `(height, width, channels)` tensor (HWC, C order; `(height, width)` for one-channel pixels)
 //! and an owned `ImageBuffer` exported as one, both without copying.
 //!
+//! [`ManagedTensor::into_image`] gives an owned `ImageBuffer<P, TensorSamples<_>>` instead: the
+//! container owns the tensor (deleted when the image drops) and a shared lease on its memory.
+//!
 //! An `ImageBuffer` needs its samples contiguous in row-major HWC order, so a tensor in another
 //! layout (CHW, a crop with row padding, a flipped axis) is refused; copy it with
 //! [`ManagedTensor::to_contiguous`] first. Export takes any owned container that is also a
@@ -20,9 +23,11 @@
 //! ```
 
 use std::ops::Deref;
+use std::ptr::NonNull;
 
 use image::{ImageBuffer, Pixel};
 
+use crate::borrow::Lease;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::export::HostBuffer;
@@ -43,6 +48,38 @@ pub struct ImageMut<'a, P: Pixel> {
     samples: SliceMut<'a, P::Subpixel>,
     width: u32,
     height: u32,
+}
+
+/// An owned, read-only image container over a tensor's samples ([`ManagedTensor::into_image`]):
+/// derefs to the samples, owns the tensor and holds a shared lease on its memory until it drops.
+pub struct TensorSamples<T> {
+    first: NonNull<T>,
+    len: usize,
+    _lease: Lease,
+    _tensor: ManagedTensor,
+}
+
+impl<T> Deref for TensorSamples<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `first` is the first of `len` contiguous, aligned, valid values of T in host
+        // memory (checked by `strided_view` and the C-order check in `into_image`; dangling and
+        // aligned when empty), kept alive by the tensor owned here; the shared lease keeps
+        // dlbridge's mutable access away while this container lives.
+        unsafe { std::slice::from_raw_parts(self.first.as_ptr(), self.len) }
+    }
+}
+
+// SAFETY: the container is a shared slice that owns what it points into: the tensor is Send and
+// Sync, the lease too, and sharing `&[T]` across threads needs `T: Sync`.
+unsafe impl<T: Sync> Send for TensorSamples<T> {}
+// SAFETY: as above; `&TensorSamples` only gives `&[T]`.
+unsafe impl<T: Sync> Sync for TensorSamples<T> {}
+
+impl<T> std::fmt::Debug for TensorSamples<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorSamples").field("len", &self.len).finish_non_exhaustive()
+    }
 }
 
 impl<P: Pixel> std::fmt::Debug for ImageRef<'_, P> {
@@ -121,6 +158,30 @@ impl ManagedTensor {
     {
         let (width, height) = self.image_size::<P>()?;
         Ok(ImageMut { samples: self.as_slice_mut()?, width, height })
+    }
+
+    /// This HWC tensor as an owned, read-only `ImageBuffer` without copying: the container owns
+    /// the tensor (its deleter runs when the image drops) and a shared lease on its memory.
+    ///
+    /// ```
+    /// use dlbridge::ManagedTensor;
+    /// let t = ManagedTensor::from_vec(vec![9u8; 2 * 3], &[2, 3, 1]).unwrap();
+    /// let ptr = t.data_ptr().cast_const().cast::<u8>();
+    /// let img = t.into_image::<image::Luma<u8>>().unwrap();
+    /// assert_eq!((img.dimensions(), img.as_raw().as_ptr()), ((3, 2), ptr));
+    /// ```
+    pub fn into_image<P: Pixel>(self) -> Result<ImageBuffer<P, TensorSamples<P::Subpixel>>>
+    where
+        P::Subpixel: Element,
+    {
+        let (width, height) = self.image_size::<P>()?;
+        if !self.is_c_contiguous() {
+            return Err(self.refuse_view::<P::Subpixel>(false, " in C order (an ImageBuffer is packed HWC)"));
+        }
+        let (first, lease) = self.strided_view::<P::Subpixel>(false)?;
+        let len = self.numel();
+        let samples = TensorSamples { first, len, _lease: lease, _tensor: self };
+        Ok(ImageBuffer::from_raw(width, height, samples).expect("size checked above"))
     }
 
     /// Exports an owned `ImageBuffer` as a `(height, width, channels)` tensor (C order) without
