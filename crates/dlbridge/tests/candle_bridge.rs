@@ -67,3 +67,20 @@ fn import_copies_once_whatever_the_strides() {
     let e = ManagedTensor::from_vec(vec![true, false], &[2]).unwrap().to_candle().unwrap_err().to_string();
     assert!(e.contains("a dtype candle has") && e.contains("got bool"), "{e}");
 }
+
+#[test]
+fn float8_exports_as_the_dlpack_float8_dtype() {
+    let c = Tensor::new(&[1.0f32, -2.0, 0.5], &Device::Cpu)
+        .unwrap()
+        .to_dtype(candle_core::DType::F8E4M3)
+        .unwrap();
+    let t = ManagedTensor::from_candle(&c).unwrap();
+    assert_eq!(t.dtype().to_string(), "float8_e4m3fn");
+    // E4M3FN: sign, 4 exponent bits (bias 7), 3 mantissa bits.
+    assert!(t.is_c_contiguous() && t.nbytes() == 3);
+    // SAFETY: a live, compact host tensor of three one-byte elements; nothing writes it.
+    let bytes = unsafe { std::slice::from_raw_parts(t.data_ptr().cast::<u8>(), 3) };
+    assert_eq!(bytes, [0x38, 0xC0, 0x30]);
+    let e = t.to_candle().unwrap_err().to_string();
+    assert!(e.contains("a dtype candle has"), "{e}");
+}

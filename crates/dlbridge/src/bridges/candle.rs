@@ -65,15 +65,28 @@ fn export<T: Element>(v: &[T], t: &Tensor) -> Result<ManagedTensor> {
     ManagedTensor::from_host_strided(buf, layout.dims(), &strides, layout.start_offset())
 }
 
+/// [`export`] for candle's one-byte float8 dtypes, which have no Rust type here: the storage's
+/// bytes, tagged with the DLPack dtype.
+fn export_bytes(first: *const u8, len: usize, dtype: DataType, t: &Tensor) -> Result<ManagedTensor> {
+    let layout = t.layout();
+    let strides: Vec<isize> = layout.stride().iter().map(|&s| s as isize).collect();
+    let buf = CandleStorage { first: first.cast_mut(), len, _tensor: t.clone() };
+    ManagedTensor::from_host_bytes(buf, dtype, layout.dims(), Some(&strides), layout.start_offset())
+}
+
 impl ManagedTensor {
     /// Exports a CPU candle tensor without copying: the storage candle holds, with the tensor's
     /// shape, strides and start offset (a transposed, narrowed or broadcast candle tensor stays
     /// that view). The tensor is read-only and keeps a clone of the candle tensor alive. float8
-    /// and the packed float4/float6 dtypes are refused, as are CUDA and Metal tensors.
+    /// (e4m3, e8m0) exports as DLPack's float8 dtypes; candle's float6/float4 dtypes are refused
+    /// (candle keeps them as placeholder bytes whose packing it does not specify), as are CUDA
+    /// and Metal tensors.
     pub fn from_candle(t: &Tensor) -> Result<Self> {
         let (storage, _) = t.storage_and_layout();
         let refuse = |what: String| Error::Incompatible {
-            expected: "a CPU candle tensor of dtype u8, u32, i16, i32, i64, bf16, f16, f32 or f64".into(),
+            expected: "a CPU candle tensor of dtype u8, u32, i16, i32, i64, bf16, f16, f32, f64, f8e4m3 \
+                       or f8e8m0"
+                .into(),
             found: what,
         };
         let Storage::Cpu(cpu) = &*storage else {
@@ -91,6 +104,10 @@ impl ManagedTensor {
             CpuStorage::F16(v) => export(v, t),
             CpuStorage::F32(v) => export(v, t),
             CpuStorage::F64(v) => export(v, t),
+            // float8::F8E4M3 is a transparent u8 (OCP E4M3, DLPack float8_e4m3fn); candle keeps
+            // F8E8M0 as its bytes.
+            CpuStorage::F8E4M3(v) => export_bytes(v.as_ptr().cast(), v.len(), DataType::FLOAT8_E4M3FN, t),
+            CpuStorage::F8E8M0(v) => export_bytes(v.as_ptr(), v.len(), DataType::FLOAT8_E8M0FNU, t),
             _ => Err(refuse(format!("a CPU candle tensor of dtype {:?}", t.dtype()))),
         }
     }
