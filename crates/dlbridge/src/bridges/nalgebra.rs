@@ -17,8 +17,9 @@
 //! // A row-major 2x3 tensor (numpy's default layout) is a strided nalgebra view...
 //! let t = ManagedTensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
 //! let g = t.as_dmatrix::<f64>().unwrap();
-//! assert_eq!(g.view(), DMatrix::from_row_slice(2, 3, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
-//! assert_eq!(g.view().as_ptr(), t.data_ptr().cast_const().cast());
+//! let v = g.view();
+//! assert_eq!((v.shape(), v.strides(), v[(1, 2)]), ((2, 3), (3, 1), 6.0));
+//! assert_eq!(v.as_ptr(), t.data_ptr().cast_const().cast());
 //! // ...and a DMatrix leaves column-major, its Vec handed over.
 //! let m = DMatrix::from_fn(3, 2, |i, j| (10 * i + j) as f32);
 //! let ptr = m.as_ptr();
