@@ -34,6 +34,7 @@ develop: $(STAMP)
 	$(MATURIN) develop --quiet --features test-hooks
 	cd examples/scale && $(MATURIN) develop --quiet
 	cd examples/kernels && $(MATURIN) develop --quiet
+	cd examples/bridges && $(MATURIN) develop --quiet
 
 lint: $(STAMP)
 	$(CARGO) fmt --all -- --check
@@ -44,11 +45,14 @@ rust-test: $(STAMP)
 
 # Miri (default Stacked Borrows) over the crate's core: every unit, integration and doc test of
 # everything that does not call into libpython (managed, export, view, layout, ndarray, dtype,
-# interface, borrow). Isolation is off only so proptest can read its files; case counts lowered.
+# interface, borrow) and of the bridges (faer, nalgebra, arrow, image, candle, cudarc: the cudarc
+# tests that need a GPU are ignored everywhere without one; nalgebra's iterating tests are ignored
+# under Miri, see tests/nalgebra_bridge.rs). Isolation is off only so proptest can read its files;
+# case counts lowered.
 miri:
 	@rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^miri' \
 	  || rustup component add --toolchain nightly miri rust-src
-	PROPTEST_CASES=8 MIRIFLAGS="-Zmiri-disable-isolation" $(CARGO) +nightly miri test -p dlbridge --features ndarray
+	PROPTEST_CASES=8 MIRIFLAGS="-Zmiri-disable-isolation" $(CARGO) +nightly miri test -p dlbridge --features ndarray,faer,nalgebra,arrow,image,candle,cudarc
 
 # What users install carries no test hooks: the extension built without the test-hooks feature
 # (as every wheel is) must not contain them.
@@ -70,7 +74,7 @@ valgrind: develop
 
 # The Python tests ship inside the package: run them the way a user would, from outside the tree.
 py-test: develop
-	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/examples/kernels/tests $(CURDIR)/tests
+	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/examples/kernels/tests $(CURDIR)/examples/bridges/tests $(CURDIR)/tests
 	@echo "The shipped suite again, as if no array library were installed (it must skip, not fail):"
 	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes,tvm_ffi \
 	  $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge

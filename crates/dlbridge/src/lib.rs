@@ -20,9 +20,11 @@
 //!
 //! Modules: [`ffi`] is the raw ABI; [`layout`] the overflow-checked stride arithmetic; the rest is
 //! re-exported at the crate root. Feature `ndarray` adds `ndarray` views and export; feature
-//! `python` the PyO3 layer ([`python`]).
+//! `python` the PyO3 layer ([`python`]); features `faer`, `nalgebra`, `arrow`, `image`, `candle`
+//! and `cudarc` the bridges to those crates ([`bridges`], a table of what each does).
 
 pub mod borrow;
+pub mod bridges;
 pub mod cuda;
 pub mod device;
 mod dims;

@@ -23,7 +23,7 @@ use ndarray::{Array, ArrayBase, ArrayViewD, ArrayViewMutD, Axis, Dimension, IxDy
 
 use crate::borrow::Lease;
 use crate::dtype::Element;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::managed::ManagedTensor;
 
 /// A read-only `ndarray` view ([`ManagedTensor::as_array`]): derefs to `ndarray::ArrayRef` (every
@@ -87,34 +87,23 @@ struct Raw<T> {
 }
 
 impl ManagedTensor {
-    /// Checks, leases (shared, or exclusive for `write`) and describes the view; the lease is
-    /// taken before any element is read.
+    /// Checks, leases (shared, or exclusive for `write`) and describes the view, through the
+    /// one path of every typed strided view (`strided_view`); the lease is taken before any
+    /// element is read.
     fn ndarray_raw<T: Element>(&self, write: bool) -> Result<(Raw<T>, Lease)> {
         let shape: Vec<usize> = self.shape().iter().map(|&d| d as usize).collect();
-        let need = |what: &str| Error::Incompatible {
-            expected: format!("{}{} host tensor{what}", T::DTYPE, if write { " writable" } else { "" }),
-            found: self.describe(),
-        };
-        if !self.is_host_of(T::DTYPE) || (write && self.is_read_only()) {
-            return Err(need(""));
-        }
+        let (first, lease) = self.strided_view::<T>(write)?;
         if self.numel() == 0 {
             // ndarray requires the product of the non-zero extents to fit isize, even for an empty
             // array ((0, 2^62, 2^62) is a valid empty tensor but not a valid ndarray shape).
             let fits = shape.iter().filter(|&&d| d != 0).try_fold(1usize, |acc, &d| acc.checked_mul(d));
             if fits.is_none_or(|n| n > isize::MAX as usize) {
-                return Err(need(" whose non-zero extents multiply to at most isize::MAX"));
+                return Err(
+                    self.refuse_view::<T>(write, " whose non-zero extents multiply to at most isize::MAX")
+                );
             }
             let zeros = vec![0; shape.len()];
-            let lease = self.lease(write)?;
             return Ok((Raw { low: NonNull::dangling(), shape, strides: zeros, negative: vec![] }, lease));
-        }
-        let first = self.data_ptr().cast::<T>();
-        if !first.is_aligned() {
-            return Err(need(" with aligned data"));
-        }
-        if write && crate::layout::may_overlap(self.shape(), self.strides()) {
-            return Err(need(" whose elements do not overlap (a mutable view may not alias)"));
         }
         let (lo, _) = crate::layout::element_span(self.shape(), self.strides())?;
         let negative = (0..shape.len()).filter(|&ax| self.strides()[ax] < 0 && shape[ax] > 1).collect();
@@ -124,22 +113,10 @@ impl ManagedTensor {
             .zip(&shape)
             .map(|(&s, &d)| if d > 1 { s.unsigned_abs() as usize } else { 0 })
             .collect();
-        // SAFETY: `lo` is the lowest element offset of the validated span, inside the allocation.
-        let low = unsafe { first.offset(lo as isize) };
-        let lease = self.lease(write)?;
-        if !T::ALL_BIT_PATTERNS_VALID {
-            for off in self.offsets() {
-                // SAFETY: each offset addresses a whole element inside the validated span.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(first.offset(off as isize).cast::<u8>(), size_of::<T>())
-                };
-                if !T::is_valid_bytes(bytes) {
-                    return Err(need(" of valid values"));
-                }
-            }
-        }
-        // SAFETY: non-NULL: numel > 0 so validation required non-NULL data.
-        Ok((Raw { low: unsafe { NonNull::new_unchecked(low) }, shape, strides, negative }, lease))
+        // SAFETY: `lo` is the lowest element offset of the validated span, inside the allocation,
+        // so the result is in bounds and non-NULL.
+        let low = unsafe { NonNull::new_unchecked(first.as_ptr().offset(lo as isize)) };
+        Ok((Raw { low, shape, strides, negative }, lease))
     }
 
     /// A read-only `ndarray` view of a host tensor of dtype `T`, with the tensor's strides

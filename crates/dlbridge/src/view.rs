@@ -96,7 +96,18 @@ impl ManagedTensor {
     /// Registers the byte range this tensor's elements span (nothing for an empty or non-host
     /// tensor), shared or exclusive; see [`crate::borrow`].
     pub(crate) fn lease(&self, exclusive: bool) -> Result<Lease> {
-        if self.numel() == 0 || !self.is_host_accessible() {
+        if !self.is_host_accessible() {
+            return Lease::acquire(0, 0, exclusive);
+        }
+        self.lease_span(exclusive)
+    }
+
+    /// [`ManagedTensor::lease`] for a tensor on any device whose `data` is an address in the
+    /// process's one address space (host memory, and CUDA memory, which unified virtual addressing
+    /// keeps apart from host addresses): the typed CUDA views lease device ranges through it.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn lease_span(&self, exclusive: bool) -> Result<Lease> {
+        if self.numel() == 0 {
             return Lease::acquire(0, 0, exclusive);
         }
         let bits = self.dtype().storage_bits(self.flags().is_subbyte_padded());
@@ -200,6 +211,59 @@ impl ManagedTensor {
         // SAFETY: as above; the shared `bytes` is not used past this point.
         let slice = unsafe { std::slice::from_raw_parts_mut(self.data_ptr().cast::<T>(), self.numel()) };
         Ok(SliceMut { slice, _lease: lease })
+    }
+
+    /// The refusal of a typed strided view (ndarray, faer, nalgebra, ...): "expected float32
+    /// writable host tensor{what}, got ...".
+    #[cfg_attr(
+        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "arrow")),
+        allow(dead_code)
+    )]
+    pub(crate) fn refuse_view<T: Element>(&self, write: bool, what: &str) -> Error {
+        self.refuse(format!("{}{} host tensor{what}", T::DTYPE, if write { " writable" } else { "" }))
+    }
+
+    /// The one check-and-lease path of every typed strided view over this tensor (the ndarray,
+    /// faer, nalgebra and arrow bridges): host memory of dtype `T`, writable (if `write`),
+    /// aligned, elements that do not overlap (if `write`: a mutable view may not alias), valid
+    /// bytes for `T`; then a shared (or, for `write`, exclusive) lease on the span, taken before
+    /// any element is read. Returns the first element (index `0, ..., 0`; a dangling, aligned
+    /// pointer for an empty tensor) and the lease, which the view must hold while it lives.
+    #[cfg_attr(
+        not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "arrow")),
+        allow(dead_code)
+    )]
+    pub(crate) fn strided_view<T: Element>(&self, write: bool) -> Result<(std::ptr::NonNull<T>, Lease)> {
+        if !self.is_host_of(T::DTYPE) || (write && self.is_read_only()) {
+            return Err(self.refuse_view::<T>(write, ""));
+        }
+        if self.numel() == 0 {
+            return Ok((std::ptr::NonNull::dangling(), self.lease(write)?));
+        }
+        let first = self.data_ptr().cast::<T>();
+        if !first.is_aligned() {
+            return Err(self.refuse_view::<T>(write, " with aligned data"));
+        }
+        if write && layout::may_overlap(self.shape(), self.strides()) {
+            return Err(
+                self.refuse_view::<T>(write, " whose elements do not overlap (a mutable view may not alias)")
+            );
+        }
+        let lease = self.lease(write)?;
+        if !T::ALL_BIT_PATTERNS_VALID {
+            for off in self.offsets() {
+                // SAFETY: each offset addresses a whole element inside the validated span of host
+                // memory, and the lease keeps dlbridge's mutable access away while it is read.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(first.offset(off as isize).cast::<u8>(), size_of::<T>())
+                };
+                if !T::is_valid_bytes(bytes) {
+                    return Err(self.refuse_view::<T>(write, " of valid values"));
+                }
+            }
+        }
+        // SAFETY: numel > 0, so validation required non-NULL data.
+        Ok((unsafe { std::ptr::NonNull::new_unchecked(first) }, lease))
     }
 
     /// Element offsets (in elements, from the first element) in row-major index order.
