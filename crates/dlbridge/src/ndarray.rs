@@ -86,6 +86,19 @@ struct Raw<T> {
     negative: Vec<usize>,
 }
 
+impl<T> Raw<T> {
+    /// The shape and strides for ndarray. An empty view takes ndarray's own default strides: the
+    /// strides of an empty tensor are never used, and custom zero strides on an axis longer than
+    /// one fail ndarray's aliasing check for mutable views even when another axis is empty.
+    fn stride_shape(&self) -> ndarray::StrideShape<IxDyn> {
+        if self.shape.contains(&0) {
+            IxDyn(&self.shape).into()
+        } else {
+            IxDyn(&self.shape).strides(IxDyn(&self.strides)).into()
+        }
+    }
+}
+
 impl ManagedTensor {
     /// Checks, leases (shared, or exclusive for `write`) and describes the view, through the
     /// one path of every typed strided view (`strided_view`); the lease is taken before any
@@ -129,7 +142,7 @@ impl ManagedTensor {
         // span, strides non-negative from the lowest address; kept alive by `&self`; no mutable
         // access through dlbridge while the shared lease lives.
         let mut v =
-            unsafe { ArrayViewD::from_shape_ptr(IxDyn(&r.shape).strides(IxDyn(&r.strides)), r.low.as_ptr()) };
+            unsafe { ArrayViewD::from_shape_ptr(r.stride_shape(), r.low.as_ptr()) };
         for ax in r.negative {
             v.invert_axis(Axis(ax));
         }
@@ -145,7 +158,7 @@ impl ManagedTensor {
         // dlbridge hands out, the tensor is writable, and no two indices reach the same element
         // (`may_overlap` said so for this shape and these strides).
         let mut v = unsafe {
-            ArrayViewMutD::from_shape_ptr(IxDyn(&r.shape).strides(IxDyn(&r.strides)), r.low.as_ptr())
+            ArrayViewMutD::from_shape_ptr(r.stride_shape(), r.low.as_ptr())
         };
         for ax in r.negative {
             v.invert_axis(Axis(ax));

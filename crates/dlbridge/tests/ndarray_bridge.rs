@@ -87,3 +87,16 @@ fn wrong_dtype_device_and_bool_bytes_are_refused() {
     let b = ManagedTensor::from_host_bytes(vec![0u8, 3], dlbridge::DataType::BOOL, &[2], None, 0).unwrap();
     assert!(b.as_array::<bool>().is_err());
 }
+
+/// An empty tensor whose C strides hold a zero on a longer axis ((2, 0) has strides (0, 1)):
+/// mutable and shared views work (ndarray's own aliasing check used to panic on them).
+#[test]
+fn empty_views_with_zero_strides_on_longer_axes() {
+    for shape in [[2usize, 0], [0, 3]] {
+        let mut t = ManagedTensor::from_vec(Vec::<f64>::new(), &shape).unwrap();
+        assert_eq!(t.as_array::<f64>().unwrap().shape(), shape);
+        let mut v = t.as_array_mut::<f64>().unwrap();
+        v.fill(1.0);
+        assert_eq!(v.shape(), shape);
+    }
+}

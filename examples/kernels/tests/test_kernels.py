@@ -284,3 +284,8 @@ def test_a_huge_broadcast_input_is_a_memory_error():
     x = np.broadcast_to(np.float64(0), (1 << 20, 1 << 20))
     with pytest.raises(MemoryError):
         K.add_transposed(x, x)
+
+
+def test_layer_norm_of_empty_rows():
+    out = K.layer_norm(np.ones((2, 0)), np.ones(0), np.ones(0))
+    assert out.shape == (2, 0)
