@@ -139,10 +139,9 @@ impl ManagedTensor {
     pub fn as_array<T: Element>(&self) -> Result<ArrayGuard<'_, T>> {
         let (r, lease) = self.ndarray_raw::<T>(false)?;
         // SAFETY: host memory of dtype T, aligned, every reachable element inside the validated
-        // span, strides non-negative from the lowest address; kept alive by `&self`; no mutable
-        // access through dlbridge while the shared lease lives.
-        let mut v =
-            unsafe { ArrayViewD::from_shape_ptr(r.stride_shape(), r.low.as_ptr()) };
+        // span, strides non-negative from the lowest address (an empty view reaches no element);
+        // kept alive by `&self`; no mutable access through dlbridge while the shared lease lives.
+        let mut v = unsafe { ArrayViewD::from_shape_ptr(r.stride_shape(), r.low.as_ptr()) };
         for ax in r.negative {
             v.invert_axis(Axis(ax));
         }
@@ -157,9 +156,7 @@ impl ManagedTensor {
         // SAFETY: as in as_array; `&mut self` and the exclusive lease make this the only access
         // dlbridge hands out, the tensor is writable, and no two indices reach the same element
         // (`may_overlap` said so for this shape and these strides).
-        let mut v = unsafe {
-            ArrayViewMutD::from_shape_ptr(r.stride_shape(), r.low.as_ptr())
-        };
+        let mut v = unsafe { ArrayViewMutD::from_shape_ptr(r.stride_shape(), r.low.as_ptr()) };
         for ax in r.negative {
             v.invert_axis(Axis(ax));
         }
