@@ -94,7 +94,7 @@ impl<T> Raw<T> {
         if self.shape.contains(&0) {
             IxDyn(&self.shape).into()
         } else {
-            IxDyn(&self.shape).strides(IxDyn(&self.strides)).into()
+            IxDyn(&self.shape).strides(IxDyn(&self.strides))
         }
     }
 }
