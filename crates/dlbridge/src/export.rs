@@ -578,6 +578,20 @@ impl ManagedTensor {
         export_versioned(Parts { device, ..self.parts() }, flags, Arc::clone(self))
     }
 
+    /// This tensor as an owning versioned struct: its own struct when it has one (no allocation),
+    /// else a versioned struct over it (a legacy import). The caller owns the result.
+    #[cfg(feature = "python")]
+    pub(crate) fn into_versioned_raw(self) -> NonNull<DLManagedTensorVersioned> {
+        if !self.is_versioned() {
+            return Arc::new(self).export_versioned();
+        }
+        match self.into_raw() {
+            // SAFETY: into_raw hands out the live, non-NULL struct it owned.
+            crate::RawManagedTensor::Versioned(p) => unsafe { NonNull::new_unchecked(p) },
+            crate::RawManagedTensor::Legacy(_) => unreachable!("checked versioned"),
+        }
+    }
+
     /// [`ManagedTensor::export_legacy`] with the device the consumer asked for.
     #[cfg(feature = "python")]
     pub(crate) fn export_legacy_as(self: &Arc<Self>, device: Device) -> NonNull<DLManagedTensor> {

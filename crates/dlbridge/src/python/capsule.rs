@@ -83,28 +83,33 @@ unsafe extern "C" fn destroy_legacy(cap: *mut ffi::PyObject) {
 /// from under that object.
 pub const OWNER: &CStr = c"dlbridge.tensor_owner";
 
-/// Drops the `ManagedTensor` an owner capsule holds (the producer's deleter runs, once).
+/// Deletes the versioned struct an owner capsule holds (the producer's deleter runs, once).
 unsafe extern "C" fn destroy_owner(cap: *mut ffi::PyObject) {
     // SAFETY: `cap` is the capsule being destroyed; IsValid sets no exception.
     if unsafe { ffi::PyCapsule_IsValid(cap, OWNER.as_ptr()) } == 1 {
-        // SAFETY: valid under this name; the pointer is the `Box<ManagedTensor>` `owner_capsule`
-        // leaked, owned by this capsule alone.
-        let t =
-            unsafe { Box::from_raw(ffi::PyCapsule_GetPointer(cap, OWNER.as_ptr()).cast::<ManagedTensor>()) };
-        // SAFETY: CPython calls capsule destructors with the GIL held.
-        unsafe { keeping_exception(|| drop(t)) }
+        // SAFETY: valid under this name; the pointer is the owning struct `owner_capsule` stored,
+        // owned by this capsule alone (no consumer can take a capsule of this name).
+        let p = unsafe { ffi::PyCapsule_GetPointer(cap, OWNER.as_ptr()) }.cast::<DLManagedTensorVersioned>();
+        // SAFETY: as above: the struct is live until its deleter runs.
+        if let Some(d) = unsafe { (*p).deleter } {
+            // SAFETY: called once, with the GIL held (CPython destroys capsules with it).
+            unsafe { keeping_exception(|| d(p)) }
+        }
     }
 }
 
 /// A private capsule (named [`OWNER`]) that owns `t` until it is destroyed.
 pub fn owner_capsule(py: Python<'_>, t: ManagedTensor) -> PyResult<Bound<'_, PyAny>> {
-    let p = Box::into_raw(Box::new(t));
-    // SAFETY: a live heap pointer, a static name, the destructor that matches the name.
-    let cap = unsafe { ffi::PyCapsule_New(p.cast(), OWNER.as_ptr(), Some(destroy_owner)) };
+    let p = t.into_versioned_raw();
+    // SAFETY: a live owning struct, a static name, the destructor that matches the name.
+    let cap = unsafe { ffi::PyCapsule_New(p.as_ptr().cast(), OWNER.as_ptr(), Some(destroy_owner)) };
     // SAFETY: a new reference or NULL with an exception set.
     unsafe { Bound::from_owned_ptr_or_err(py, cap) }.inspect_err(|_| {
-        // SAFETY: the capsule was not made, so the box is still ours.
-        drop(unsafe { Box::from_raw(p) });
+        // SAFETY: the capsule was not made, so the struct is still ours and live.
+        if let Some(d) = unsafe { (*p.as_ptr()).deleter } {
+            // SAFETY: as above; deleted once.
+            unsafe { d(p.as_ptr()) }
+        }
     })
 }
 
