@@ -255,6 +255,7 @@ impl ManagedTensor {
     }
 
     /// The plain tensor description.
+    #[inline]
     pub fn dl_tensor(&self) -> &DLTensor {
         // SAFETY: the struct is live and owned by self until drop.
         unsafe {
@@ -272,6 +273,7 @@ impl ManagedTensor {
     }
 
     /// The extents.
+    #[inline]
     pub fn shape(&self) -> &[i64] {
         let t = self.dl_tensor();
         // SAFETY: validated on entry: `ndim` entries, non-NULL when ndim > 0.
@@ -294,11 +296,13 @@ impl ManagedTensor {
     }
 
     /// The element type.
+    #[inline]
     pub fn dtype(&self) -> DataType {
         DataType::from(self.dl_tensor().dtype)
     }
 
     /// The device.
+    #[inline]
     pub fn device(&self) -> Device {
         Device::from(self.dl_tensor().device)
     }
@@ -335,6 +339,7 @@ impl ManagedTensor {
 
     /// The address of the first element: `data + byte_offset`. For non-host devices this is a
     /// device address (or handle) and must not be dereferenced on the CPU.
+    #[inline]
     pub fn data_ptr(&self) -> *mut c_void {
         let t = self.dl_tensor();
         // Validated not to overflow; wrapping_add because the pointer may not be a Rust allocation.
