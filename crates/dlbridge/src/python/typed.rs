@@ -134,8 +134,9 @@ macro_rules! common {
 
             #[inline]
             fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-                // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
-                let r = unsafe { TensorView::borrow_for(&obj) };
+                // The view's own conversion, compiled once in this crate (not inlined into every
+                // monomorphisation of this generic function).
+                let r = <TensorView<'a> as FromPyObject<'a, 'py>>::extract(obj);
                 // The check folds to a few comparisons for the constant spec; the refusal is cold.
                 // (The accepted view is rewrapped in place: `Self` is a transparent wrapper.)
                 match &r {
