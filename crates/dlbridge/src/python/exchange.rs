@@ -428,28 +428,66 @@ impl ExchangeApi {
     /// has no read-only tensors and its table ignores the flag, so the memory would come back
     /// writable) and negative strides (torch has none).
     pub fn to_py_object<'py>(&self, py: Python<'py>, t: ManagedTensor) -> PyResult<Bound<'py, PyAny>> {
-        if self.is_torch() {
-            let why = if t.is_read_only() {
-                Some("torch tensors are always writable")
-            } else if t.strides().iter().zip(t.shape()).any(|(&s, &d)| s < 0 && d > 1) {
-                Some("torch tensors cannot have negative strides")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(PyBufferError::new_err(format!(
-                    "cannot return this tensor as a torch.Tensor ({why}): {}; return a copy \
-                     (ManagedTensor::to_contiguous) instead",
-                    t.describe()
-                )));
-            }
+        if let Some(e) = self.refusal(&t) {
+            return Err(e);
         }
-        let f = self.api.managed_tensor_to_py_object_no_sync.expect("checked non-NULL");
         // Our own struct over the tensor, whose owner tells whether the table released it.
         let owner = Arc::new(t);
         let alive = Arc::downgrade(&owner);
         let raw = owner.export_versioned();
         drop(owner);
+        // SAFETY: `raw` is an owning struct whose only owner `alive` watches.
+        unsafe { self.hand_over(py, raw, alive) }
+    }
+
+    /// [`ExchangeApi::to_py_object`] for a tensor whose own struct is watched: `alive` must die
+    /// exactly when that struct is deleted (its owner holds the token). No second struct is made.
+    pub(crate) fn give_watched<'py, W>(
+        &self,
+        py: Python<'py>,
+        t: ManagedTensor,
+        alive: std::sync::Weak<W>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(e) = self.refusal(&t) {
+            return Err(e);
+        }
+        let raw = t.into_versioned_raw();
+        // SAFETY: the caller's promise: `alive` dies exactly when `raw` is deleted.
+        unsafe { self.hand_over(py, raw, alive) }
+    }
+
+    /// What torch cannot take, with the reason.
+    fn refusal(&self, t: &ManagedTensor) -> Option<PyErr> {
+        if !self.is_torch() {
+            return None;
+        }
+        let why = if t.is_read_only() {
+            "torch tensors are always writable"
+        } else if t.strides().iter().zip(t.shape()).any(|(&s, &d)| s < 0 && d > 1) {
+            "torch tensors cannot have negative strides"
+        } else {
+            return None;
+        };
+        Some(PyBufferError::new_err(format!(
+            "cannot return this tensor as a torch.Tensor ({why}): {}; return a copy \
+             (ManagedTensor::to_contiguous) instead",
+            t.describe()
+        )))
+    }
+
+    /// Calls `managed_tensor_to_py_object_no_sync` on `raw`; on failure, deletes `raw` if the
+    /// table did not (`alive` still alive).
+    ///
+    /// # Safety
+    ///
+    /// `raw` is a live owning struct handed over here; `alive` dies exactly when it is deleted.
+    unsafe fn hand_over<'py, W>(
+        &self,
+        py: Python<'py>,
+        raw: NonNull<DLManagedTensorVersioned>,
+        alive: std::sync::Weak<W>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let f = self.api.managed_tensor_to_py_object_no_sync.expect("checked non-NULL");
         let mut out: *mut c_void = std::ptr::null_mut();
         // SAFETY: an owning versioned struct handed over, the GIL held (`py`), a writable out-pointer.
         if unsafe { f(raw.as_ptr(), &mut out) } != 0 {
@@ -457,8 +495,8 @@ impl ExchangeApi {
                 PyBufferError::new_err("managed_tensor_to_py_object_no_sync failed without an exception")
             });
             if alive.strong_count() > 0 {
-                // SAFETY: the table refused the struct and did not delete it (its only owner is
-                // alive), so it is still ours to delete, once.
+                // SAFETY: the table refused the struct and did not delete it (its owner is alive),
+                // so it is still ours to delete, once.
                 unsafe {
                     if let Some(d) = (*raw.as_ptr()).deleter {
                         d(raw.as_ptr());

@@ -170,6 +170,13 @@ impl Framework {
                 let buf = buf.map_err(|e| {
                     pyo3::exceptions::PyMemoryError::new_err(format!("empty: shape {shape:?}: {e}"))
                 })?;
+                if let Kind::Table(_) = self.kind {
+                    // Watched, so the table can be handed this very struct (see `Output::into_object`).
+                    let token = std::sync::Arc::new(());
+                    let alive = std::sync::Arc::downgrade(&token);
+                    let t = ManagedTensor::from_host(Watched { buf, _token: token }, shape)?;
+                    return Ok(Output { tensor: t, framework: *self, alive: Some(alive), _t: PhantomData });
+                }
                 ManagedTensor::from_host(buf, shape)?
             }
             // Device memory: the framework's allocator, through its table (torch's caching
@@ -196,7 +203,7 @@ impl Framework {
                 )));
             }
         };
-        Ok(Output { tensor, framework: *self, _t: PhantomData })
+        Ok(Output { tensor, framework: *self, alive: None, _t: PhantomData })
     }
 
     /// [`Framework::empty`] with the shape and device of `like`.
@@ -291,7 +298,29 @@ impl Importer {
 pub struct Output<T> {
     tensor: ManagedTensor,
     framework: Framework,
+    /// Alive exactly as long as `tensor`'s own struct (its owner holds the token), for a table
+    /// that may refuse the struct without releasing it: then `into_object` releases it.
+    alive: Option<std::sync::Weak<()>>,
     _t: PhantomData<fn() -> T>,
+}
+
+/// An aligned buffer whose export also owns a token, so whoever holds a `Weak` of the token sees
+/// whether the exported struct has been deleted.
+struct Watched<T> {
+    buf: crate::AlignedBuffer<T>,
+    _token: std::sync::Arc<()>,
+}
+
+// SAFETY: the buffer's contract (its heap memory does not move with it and lives until it drops);
+// the token is only a reference count.
+unsafe impl<T: Element> crate::HostBuffer for Watched<T> {
+    type Elem = T;
+    fn as_mut_ptr(&mut self) -> *mut T {
+        crate::HostBuffer::as_mut_ptr(&mut self.buf)
+    }
+    fn elem_count(&self) -> usize {
+        crate::HostBuffer::elem_count(&self.buf)
+    }
 }
 
 impl<T: Element> Output<T> {
@@ -328,7 +357,11 @@ impl<T: Element> Output<T> {
 
     /// The framework's object over this memory (no copy).
     pub fn into_object(self, py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-        self.framework.wrap(py, self.tensor)
+        match (self.framework.kind, self.alive) {
+            // This very struct goes to the table: no second export around it.
+            (Kind::Table(api), Some(alive)) => api.give_watched(py, self.tensor, alive),
+            _ => self.framework.wrap(py, self.tensor),
+        }
     }
 }
 
