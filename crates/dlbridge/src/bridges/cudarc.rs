@@ -123,6 +123,11 @@ impl ManagedTensor {
         if !ok {
             return Err(need(""));
         }
+        if !T::ALL_BIT_PATTERNS_VALID {
+            // Device memory cannot be checked for valid values (0 or 1 for bool) without copying
+            // it, and a cudarc copy to the host would make invalid Rust values.
+            return Err(need(" of a type every bit pattern is a value of (not bool)"));
+        }
         if self.numel() > 0 && !self.data_ptr().cast::<T>().is_aligned() {
             return Err(need(&format!(" with data aligned to {} bytes", align_of::<T>())));
         }
@@ -140,8 +145,8 @@ impl ManagedTensor {
         // SAFETY: `ptr` is the first of `numel` aligned elements of dtype T in device memory of
         // the stream's device (checked), valid while the tensor lives, which the guard's lifetime
         // bounds. The slice is never dropped (it would free the producer's memory): the guard
-        // leaks it. DLPack tensors hold initialised values of their dtype, and every bit pattern
-        // of a `DeviceRepr` type is one.
+        // leaks it. DLPack tensors hold initialised bytes, and every bit pattern is a value of T
+        // (checked: bool is refused).
         let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, self.numel()) };
         Ok((ManuallyDrop::new(slice), lease))
     }
@@ -256,6 +261,9 @@ mod tests {
         assert!(ro.cuda_view_check::<i64>(0, false).is_ok());
         let e = ro.cuda_view_check::<i64>(0, true).unwrap_err().to_string();
         assert!(e.starts_with("expected a C-contiguous writable int64 CUDA tensor"), "{e}");
+        let b = fake(Device::cuda(0), DataType::BOOL, &[4], None, Flags::NONE);
+        let e = b.cuda_view_check::<bool>(0, false).unwrap_err().to_string();
+        assert!(e.contains("not bool"), "{e}");
         let rocm = fake(Device::new(DeviceType::ROCM, 0), DataType::FLOAT32, &[4], None, Flags::NONE);
         assert!(rocm.cuda_view_check::<f32>(0, false).unwrap_err().to_string().ends_with("on rocm:0"));
     }
