@@ -163,13 +163,14 @@ impl Framework {
             // adopts without copying. (torch's CPU allocator is plain aligned malloc; going
             // through its table would add a second tensor round trip, about 300 ns, for nothing.)
             _ if device.device_type() == crate::DeviceType::CPU => {
-                let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-                let buf = n
-                    .map(crate::AlignedBuffer::<T>::try_zeroed)
-                    .unwrap_or_else(|| crate::AlignedBuffer::<T>::try_zeroed(usize::MAX));
-                let buf = buf.map_err(|e| {
-                    pyo3::exceptions::PyMemoryError::new_err(format!("empty: shape {shape:?}: {e}"))
-                })?;
+                let buf = shape
+                    .iter()
+                    .try_fold(1usize, |a, &d| a.checked_mul(d))
+                    .ok_or_else(|| "the element count overflows".to_string())
+                    .and_then(|n| crate::AlignedBuffer::<T>::try_zeroed(n).map_err(|e| e.to_string()))
+                    .map_err(|e| {
+                        pyo3::exceptions::PyMemoryError::new_err(format!("empty: shape {shape:?}: {e}"))
+                    })?;
                 if let Kind::Table(_) = self.kind {
                     // Watched, so the table can be handed this very struct (see `Output::into_object`).
                     let token = std::sync::Arc::new(());
