@@ -9,6 +9,8 @@ VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MATURIN := VIRTUAL_ENV=$(VENV) $(VENV)/bin/maturin
+# No pip cache: torch and tensorflow's wheels would keep ~5 GB of a CI machine's disk for nothing.
+export PIP_NO_CACHE_DIR := 1
 # One interpreter for every build (cargo and maturin), so pyo3 is configured once.
 export PYO3_PYTHON := $(PY)
 

@@ -5,6 +5,12 @@
 # array-api-strict and pyarrow (the newest each publishes wheels for); 3.12 also gets torch (the
 # GPU machine's Python). An interpreter the machine lacks is reported as missing, not passed.
 #
+# Disk: torch's wheel from PyPI pulls about 4 GB of CUDA libraries (nvidia-*, triton). The nvidia-*
+# wheels are not tied to a Python version, so 3.12's torch is installed without dependencies and
+# given .venv's copy of them (same torch pin, so the same libraries) by a symlink; triton (only
+# torch.compile's GPU code generation needs it) is left out. That keeps `make test` within the
+# disk of a CI machine.
+#
 #   MATRIX="3.10 3.12 3.13" bash scripts/matrix.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,16 +29,36 @@ for v in $versions; do
   fi
   venv="$root/.venv-$v"
   stamp="$venv/.installed"
-  want="pytest numpy ml_dtypes array-api-strict pyarrow"
-  [[ "$v" == "3.12" ]] && want="$want torch==2.15.0"
+  libs="pytest numpy ml_dtypes array-api-strict pyarrow"
+  torch=""
+  [[ "$v" == "3.12" ]] && torch=$(grep -E '^torch==' python/requirements-test.txt)
+  want="$libs${torch:+ $torch shared-nvidia}"
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     rm -rf "$venv"
     "$py" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     # shellcheck disable=SC2086
-    "$venv/bin/python" -m pip install --quiet $want
+    "$venv/bin/python" -m pip install --quiet $libs
+    if [[ -n "$torch" ]]; then
+      "$venv/bin/python" -m pip install --quiet --no-deps "$torch"
+      # torch's own requirements, but for the CUDA wheels (shared below) and triton.
+      "$venv/bin/python" -m pip install --quiet --no-warn-conflicts filelock "typing-extensions>=4.13" "setuptools>=77.0.3" \
+        "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" "cuda-bindings>=13.0.3,<14"
+    fi
     echo "$want" >"$stamp"
   fi
+  if [[ -n "$torch" ]]; then
+    shared=$(ls -d "$root"/.venv/lib/python3.*/site-packages/nvidia 2>/dev/null | head -1)
+    site=$(ls -d "$venv"/lib/python3.*/site-packages)
+    if [[ -z "$shared" ]]; then
+      echo "matrix: .venv has no nvidia libraries for $v's torch (run make develop first)" >&2
+      exit 1
+    fi
+    ln -sfn "$shared" "$site/nvidia"
+  fi
+  # Every library asked for must import: a broken one would only make its tests skip.
+  mods="numpy ml_dtypes array_api_strict pyarrow${torch:+ torch}"
+  (cd /tmp && "$venv/bin/python" -c "import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]" $mods)
   echo "== CPython $v: building dlbridge"
   out="$root/target/matrix/wheels-$v"
   rm -rf "$out"
@@ -46,8 +72,8 @@ for v in $versions; do
   rc=${PIPESTATUS[0]}
   set -e
   line=$(grep -E "^[0-9]+ (passed|failed)" "$log" | tail -1 || true)
-  libs=$("$venv/bin/python" -c "import numpy, importlib.util as u; print('numpy', numpy.__version__, *[m for m in ('torch', 'pyarrow', 'ml_dtypes', 'array_api_strict') if u.find_spec(m)])")
-  summary+=("$v: ${line:-no result} ($libs)")
+  found=$("$venv/bin/python" -c "import numpy, importlib.util as u; print('numpy', numpy.__version__, *[m for m in ('torch', 'pyarrow', 'ml_dtypes', 'array_api_strict') if u.find_spec(m)])")
+  summary+=("$v: ${line:-no result} ($found)")
   rm -f "$log"
   [[ $rc -ne 0 ]] && status=1
 done
