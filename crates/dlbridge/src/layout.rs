@@ -46,18 +46,25 @@ pub fn element_count(shape: &[i64]) -> Result<u64> {
 /// `isize`; for shapes with a zero extent (where any stride is valid) the values saturate
 /// instead of overflowing.
 pub fn c_strides(shape: &[i64]) -> Vec<i64> {
-    let mut strides = vec![0; shape.len()];
+    let mut strides = vec![1; shape.len()];
+    c_strides_into(shape, &mut strides);
+    strides
+}
+
+/// [`c_strides`] written into `strides` (of `shape`'s length), for callers that keep their own
+/// storage.
+pub(crate) fn c_strides_into(shape: &[i64], strides: &mut [i64]) {
+    debug_assert_eq!(shape.len(), strides.len());
     let mut acc: i64 = 1;
     for (s, &d) in strides.iter_mut().zip(shape).rev() {
         *s = acc;
         acc = acc.saturating_mul(d.max(1));
     }
-    strides
 }
 
 /// Compact column-major (Fortran order) strides for `shape`; see [`c_strides`].
 pub fn f_strides(shape: &[i64]) -> Vec<i64> {
-    let mut strides = vec![0; shape.len()];
+    let mut strides = vec![1; shape.len()];
     let mut acc: i64 = 1;
     for (s, &d) in strides.iter_mut().zip(shape) {
         *s = acc;
@@ -144,15 +151,24 @@ pub fn may_overlap(shape: &[i64], strides: &[i64]) -> bool {
         // A mismatched layout is refused elsewhere; an empty one has nothing to overlap.
         return shape.len() != strides.len();
     }
-    let mut axes: Vec<(u64, u64)> = shape
-        .iter()
-        .zip(strides)
-        .filter(|&(&d, _)| d > 1)
-        .map(|(&d, &s)| (s.unsigned_abs(), d as u64 - 1))
-        .collect();
+    // (stride, steps) of every axis that steps, sorted by stride: on the stack for the usual ranks.
+    let mut inline = [(0u64, 0u64); crate::dims::INLINE];
+    let mut heap = Vec::new();
+    let axes: &mut [(u64, u64)] = if shape.len() <= inline.len() {
+        &mut inline
+    } else {
+        heap.resize(shape.len(), (0, 0));
+        &mut heap
+    };
+    let mut n = 0;
+    for (&d, &s) in shape.iter().zip(strides).filter(|&(&d, _)| d > 1) {
+        axes[n] = (s.unsigned_abs(), d as u64 - 1);
+        n += 1;
+    }
+    let axes = &mut axes[..n];
     axes.sort_unstable();
     let mut reach: u64 = 0;
-    for (stride, steps) in axes {
+    for &mut (stride, steps) in axes {
         if stride <= reach {
             return true;
         }

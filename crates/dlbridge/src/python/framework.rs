@@ -209,8 +209,20 @@ impl Framework {
 
     /// [`Framework::empty`] with the shape and device of `like`.
     pub fn empty_like<T: Element>(&self, py: Python<'_>, like: &ManagedTensor) -> PyResult<Output<T>> {
-        let shape: Vec<usize> = like.shape().iter().map(|&d| d as usize).collect();
-        self.empty::<T>(py, &shape, like.device())
+        // The shape on the stack for the usual ranks (validated extents are non-negative).
+        let mut inline = [0usize; 8];
+        let heap: Vec<usize>;
+        let shape: &[usize] = match like.shape() {
+            s if s.len() <= inline.len() => {
+                inline.iter_mut().zip(s).for_each(|(o, &d)| *o = d as usize);
+                &inline[..s.len()]
+            }
+            s => {
+                heap = s.iter().map(|&d| d as usize).collect();
+                &heap
+            }
+        };
+        self.empty::<T>(py, shape, like.device())
     }
 
     /// The caller's current work stream on `device`, from the framework's exchange table
