@@ -112,6 +112,10 @@ unsafe impl<T: Send> Send for AlignedBuffer<T> {}
 // SAFETY: as for Vec: shared access only hands out `&[T]`.
 unsafe impl<T: Sync> Sync for AlignedBuffer<T> {}
 
+/// Allocations of at least this many bytes are zeroed by the allocator (`calloc`), smaller ones by
+/// `AlignedBuffer` itself (see `try_alloc`).
+const ZEROED_BY_ALLOCATOR: usize = 128 * 1024;
+
 impl<T> AlignedBuffer<T> {
     /// The allocation behind `bytes` bytes of elements: `ALIGNMENT` bytes more, at `T`'s alignment
     /// (a plain `malloc`); `None` if the size overflows `isize`.
@@ -133,6 +137,7 @@ impl<T: Element> AlignedBuffer<T> {
     /// [`AlignedBuffer::zeroed`] that reports a size that overflows or an allocation that fails
     /// ([`Error::BufferMismatch`] naming the size) instead of panicking or aborting: for sizes that
     /// come from outside (a caller's shape).
+    #[inline]
     pub fn try_zeroed(len: usize) -> Result<Self> {
         let refuse = |what: &str| Error::BufferMismatch {
             expected: format!("{len} elements of {} bytes {what}", size_of::<T>()),
@@ -144,6 +149,7 @@ impl<T: Element> AlignedBuffer<T> {
     }
 
     /// `len` zeroed elements (`bytes` bytes) in a new `layout` allocation; `None` if it fails.
+    #[inline]
     fn try_alloc(len: usize, bytes: usize, layout: Layout) -> Option<Self> {
         if bytes == 0 {
             // A non-NULL, suitably aligned address that owns no memory.
@@ -151,14 +157,24 @@ impl<T: Element> AlignedBuffer<T> {
             // SAFETY: `ALIGNMENT` is non-zero.
             return Some(Self { ptr: unsafe { NonNull::new_unchecked(ptr) }, len, head: 0 });
         }
-        // SAFETY: the layout has a non-zero size (`bytes` + `ALIGNMENT`). Zeroed by the allocator
-        // (`calloc`: fresh pages of a large allocation are not even touched).
-        let raw = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })?;
+        // Large buffers are zeroed by the allocator (`calloc`: the fresh pages of a large
+        // allocation are not even touched); small ones are a `malloc` zeroed here, because a small
+        // `calloc` bypasses glibc's per-thread cache, and freeing what it gave fills that cache
+        // until frees spill into the fastbins, which the next large allocation must consolidate.
+        let zeroed_by_allocator = layout.size() >= ZEROED_BY_ALLOCATOR;
+        // SAFETY: the layout has a non-zero size (`bytes` + `ALIGNMENT`).
+        let raw = NonNull::new(unsafe {
+            if zeroed_by_allocator { alloc::alloc_zeroed(layout) } else { alloc::alloc(layout) }
+        })?;
         // The first 256-byte boundary: fewer than `ALIGNMENT` bytes in, a multiple of `T`'s
         // alignment (the allocation's), so `bytes` more stay inside the allocation.
         let head = raw.as_ptr().addr().next_multiple_of(ALIGNMENT) - raw.as_ptr().addr();
         // SAFETY: `head + bytes <= layout.size()`, inside the allocation just made.
         let ptr = unsafe { raw.add(head) };
+        if !zeroed_by_allocator {
+            // SAFETY: `bytes` writable bytes from `ptr` (inside the allocation), reachable only here.
+            unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, bytes) };
+        }
         Some(Self { ptr: ptr.cast(), len, head })
     }
 
@@ -370,6 +386,7 @@ impl ManagedTensor {
 
     /// A C-contiguous CPU tensor over any [`HostBuffer`] (`Vec`, `Box<[T]>`, `Arc<[T]>` read-only,
     /// [`AlignedBuffer`]), without copying. `shape`'s product must equal the buffer length.
+    #[inline]
     pub fn from_host<B: HostBuffer>(buf: B, shape: &[usize]) -> Result<Self> {
         // Shape and strides on the stack (for the usual ranks): a new tensor makes no allocation
         // but its export.
@@ -387,7 +404,12 @@ impl ManagedTensor {
                 found: format!("{} elements", buf.elem_count()),
             });
         }
-        Self::export_host(buf, <B::Elem as Element>::DTYPE, dims.shape(), dims.strides(), 0)
+        // C strides over exactly `numel` elements from the first: inside the buffer, and no two
+        // elements share memory, so the layout check is known to pass (asserted in debug builds,
+        // which every test of a `from_host` caller runs).
+        let (dtype, shape, strides) = (<B::Elem as Element>::DTYPE, dims.shape(), dims.strides());
+        debug_assert_eq!(Self::check_host_layout(&buf, dtype, shape, strides, 0).ok(), Some(false));
+        Self::export_host_checked(buf, dtype, shape, strides, 0, false)
     }
 
     /// A CPU tensor over any [`HostBuffer`] with explicit strides (in elements, may be negative or
@@ -456,6 +478,19 @@ impl ManagedTensor {
         strides: &[i64],
         first_byte: u64,
     ) -> Result<Self> {
+        let overlapping = Self::check_host_layout(&buf, dtype, shape, strides, first_byte)?;
+        Self::export_host_checked(buf, dtype, shape, strides, first_byte, overlapping)
+    }
+
+    /// What [`ManagedTensor::export_host`] checks: the layout stays inside `buf`; `Ok(true)` if
+    /// its elements may overlap.
+    fn check_host_layout<B: HostBuffer>(
+        buf: &B,
+        dtype: DataType,
+        shape: &[i64],
+        strides: &[i64],
+        first_byte: u64,
+    ) -> Result<bool> {
         if shape.len() != strides.len() {
             return Err(Error::BufferMismatch {
                 expected: format!("{} strides for shape {}", shape.len(), tuple(shape)),
@@ -483,7 +518,19 @@ impl ManagedTensor {
             });
         }
         // Elements that may share memory cannot be written soundly through a Rust reference.
-        let overlapping = numel > 1 && layout::may_overlap(shape, strides);
+        Ok(numel > 1 && layout::may_overlap(shape, strides))
+    }
+
+    /// The export of a host layout already checked ([`ManagedTensor::check_host_layout`], or
+    /// known to pass it), `overlapping` what the check said.
+    fn export_host_checked<B: HostBuffer>(
+        buf: B,
+        dtype: DataType,
+        shape: &[i64],
+        strides: &[i64],
+        first_byte: u64,
+        overlapping: bool,
+    ) -> Result<Self> {
         let flags = Flags::NONE.with(Flags::READ_ONLY, buf.is_read_only() || overlapping);
         let parts =
             Parts { data: std::ptr::null_mut(), device: Device::CPU, dtype, shape, strides, byte_offset: 0 };
@@ -679,6 +726,10 @@ mod tests {
         check(1.0f32);
         check(1.0f64);
         check(num_complex::Complex::new(1.0f64, -1.0));
+        // Large enough to be zeroed by the allocator instead.
+        let big = AlignedBuffer::<u64>::zeroed(ZEROED_BY_ALLOCATOR / 8);
+        assert_eq!(big.as_ptr().addr() % ALIGNMENT, 0);
+        assert!(big.iter().step_by(61).all(|&x| x == 0) && big[big.len() - 1] == 0);
     }
 
     #[test]

@@ -393,8 +393,10 @@ pub const fn spec_of<T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec>(writ
 }
 
 /// The specs of a requirement-type list as constants (one per monomorphisation), so a typed
-/// argument's check reads a constant.
+/// argument's check reads a constant. (Only the Python layer's typed arguments use them.)
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) struct SpecOf<T, S, O, D>(PhantomData<(T, S, O, D)>);
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 impl<T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> SpecOf<T, S, O, D> {
     /// Read access.
     pub(crate) const READ: Spec = spec_of::<T, S, O, D>(false);

@@ -350,14 +350,32 @@ pub fn adopt<'py>(
         return Err(t);
     }
     let item = t.dtype().itemsize().unwrap_or(1) as isize;
-    let mut dims = [0isize; 32];
-    let mut strides = [0isize; 32];
+    // Extents and byte strides: on the stack for the usual ranks. A C-contiguous tensor passes no
+    // strides, and numpy computes the same ones (and its flags) itself.
+    let n = t.ndim();
+    let mut inline = [0isize; 16];
+    let mut heap = Vec::new();
+    let (dims, strides) = if n <= 8 {
+        inline.split_at_mut(8)
+    } else {
+        heap.resize(2 * n, 0);
+        heap.split_at_mut(n)
+    };
     for (i, (&d, &s)) in t.shape().iter().zip(t.strides()).enumerate() {
         dims[i] = d as isize;
         // The validated span fits the address space, so each byte stride of an axis of extent > 1
         // does; one of an axis of extent 0 or 1 is never used and may be anything.
         strides[i] = (s as isize).checked_mul(item).unwrap_or(0);
     }
+    // Exactly numpy's own C strides (not merely C-contiguous: an axis of extent 1 may carry any
+    // stride, which numpy.from_dlpack would keep too).
+    let mut c = item;
+    let own = (0..n).rev().all(|i| {
+        let ok = strides[i] == c;
+        c = c.saturating_mul(dims[i].max(1));
+        ok
+    });
+    let strides_ptr = if own { std::ptr::null() } else { strides.as_ptr() };
     let (nd, data) = (t.ndim() as c_int, t.data_ptr());
     let flags = if t.is_read_only() { 0 } else { NPY_ARRAY_WRITEABLE };
     let base = match super::capsule::owner_capsule(py, t) {
@@ -378,7 +396,7 @@ pub fn adopt<'py>(
             descr,
             nd,
             dims.as_ptr(),
-            strides.as_ptr(),
+            strides_ptr,
             data,
             flags,
             std::ptr::null_mut(),
