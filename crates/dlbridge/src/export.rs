@@ -96,7 +96,7 @@ unsafe impl<T: Element> HostBuffer for Arc<[T]> {
 /// tensors, so every consumer (jax included) can take it without copying.
 ///
 /// The memory is a plain allocation `ALIGNMENT` bytes larger than the elements, which start at its
-/// first 256-byte boundary (what numpy does for its aligned allocations). An aligned allocation
+/// first 256-byte boundary. An aligned allocation
 /// (`posix_memalign`) would split off and free the unused head of a larger block every time, and
 /// glibc then sorts its small free lists before the next allocation of a page or more: that
 /// bookkeeping was the largest single cost of a new 4 KB tensor.

@@ -350,8 +350,8 @@ pub fn adopt<'py>(
         return Err(t);
     }
     let item = t.dtype().itemsize().unwrap_or(1) as isize;
-    // Extents and byte strides: on the stack for the usual ranks. A C-contiguous tensor passes no
-    // strides, and numpy computes the same ones (and its flags) itself.
+    // Extents and byte strides: on the stack for the usual ranks. A tensor with exactly numpy's
+    // own C strides passes none, and numpy computes the same ones (and its flags) itself.
     let n = t.ndim();
     let mut inline = [0isize; 16];
     let mut heap = Vec::new();
@@ -383,8 +383,8 @@ pub fn adopt<'py>(
         Err(e) => return Ok(Err(e)),
     };
     // SAFETY: numpy's checked C API with the GIL held: a new descriptor reference (stolen by
-    // NewFromDescr, on failure too); an array over `data` with `nd` extents and byte strides that
-    // stay inside the tensor `base` owns; SetBaseObject steals `base` (on failure too), which then
+    // NewFromDescr, on failure too); an array over `data` with `nd` extents and byte strides (NULL
+    // only where numpy computes the very same) that stay inside the tensor `base` owns; SetBaseObject steals `base` (on failure too), which then
     // keeps the memory alive for as long as the array.
     unsafe {
         let descr = (api.descr_from_type)(type_num);
