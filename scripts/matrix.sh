@@ -9,7 +9,8 @@
 # wheels are not tied to a Python version, so 3.12's torch is installed without dependencies and
 # given .venv's copy of them (same torch pin, so the same libraries) by a symlink; triton (only
 # torch.compile's GPU code generation needs it) is left out. That keeps `make test` within the
-# disk of a CI machine.
+# disk of a CI machine. Where .venv's torch has no CUDA wheels or another version, 3.12 gets torch
+# with every dependency. The stamp records which.
 #
 #   MATRIX="3.10 3.12 3.13" bash scripts/matrix.sh
 set -euo pipefail
@@ -30,30 +31,46 @@ for v in $versions; do
   venv="$root/.venv-$v"
   stamp="$venv/.installed"
   libs="pytest numpy ml_dtypes array-api-strict pyarrow"
-  torch=""
-  [[ "$v" == "3.12" ]] && torch=$(grep -E '^torch==' python/requirements-test.txt)
-  want="$libs${torch:+ $torch shared-nvidia}"
+  torch="" deps=() shared="" mode=""
+  if [[ "$v" == "3.12" ]]; then
+    torch=$(grep -E '^torch==' python/requirements-test.txt) \
+      || { echo "matrix: python/requirements-test.txt has no torch== pin" >&2; exit 1; }
+    # torch's own requirements as .venv's torch (the same pin) states them, but for the CUDA
+    # wheels (shared below) and triton; plain torch with every dependency where that is not
+    # possible (no .venv torch with CUDA wheels, or another version).
+    shared=$(ls -d "$root"/.venv/lib/python3.*/site-packages/nvidia 2>/dev/null | head -1 || true)
+    if [[ -n "$shared" ]] && mapfile -t deps < <("$root/.venv/bin/python" - "${torch#torch==}" <<'PY'
+import importlib.metadata as m, sys
+if m.version("torch").split("+")[0] != sys.argv[1]:
+    sys.exit(1)
+for r in m.requires("torch") or []:
+    name = r.split(";")[0].strip().lower()
+    if "extra ==" not in r and not name.startswith(("nvidia-", "cuda-toolkit", "triton")):
+        print(r)
+PY
+    ) && ((${#deps[@]})); then
+      mode="shared-nvidia(${deps[*]})"
+    else
+      shared="" deps=() mode="plain"
+    fi
+  fi
+  want="$libs${torch:+ $torch $mode}"
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     rm -rf "$venv"
     "$py" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     # shellcheck disable=SC2086
     "$venv/bin/python" -m pip install --quiet $libs
-    if [[ -n "$torch" ]]; then
+    if [[ -n "$shared" ]]; then
       "$venv/bin/python" -m pip install --quiet --no-deps "$torch"
-      # torch's own requirements, but for the CUDA wheels (shared below) and triton.
-      "$venv/bin/python" -m pip install --quiet --no-warn-conflicts filelock "typing-extensions>=4.13" "setuptools>=77.0.3" \
-        "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" "cuda-bindings>=13.0.3,<14"
+      "$venv/bin/python" -m pip install --quiet --no-warn-conflicts "${deps[@]}"
+    elif [[ -n "$torch" ]]; then
+      "$venv/bin/python" -m pip install --quiet "$torch"
     fi
     echo "$want" >"$stamp"
   fi
-  if [[ -n "$torch" ]]; then
-    shared=$(ls -d "$root"/.venv/lib/python3.*/site-packages/nvidia 2>/dev/null | head -1)
+  if [[ -n "$shared" ]]; then
     site=$(ls -d "$venv"/lib/python3.*/site-packages)
-    if [[ -z "$shared" ]]; then
-      echo "matrix: .venv has no nvidia libraries for $v's torch (run make develop first)" >&2
-      exit 1
-    fi
     ln -sfn "$shared" "$site/nvidia"
   fi
   # Every library asked for must import: a broken one would only make its tests skip.

@@ -152,9 +152,10 @@ impl<T: Element> AlignedBuffer<T> {
     #[inline]
     fn try_alloc(len: usize, bytes: usize, layout: Layout) -> Option<Self> {
         if bytes == 0 {
-            // A non-NULL, suitably aligned address that owns no memory.
-            let ptr = std::ptr::without_provenance_mut::<T>(ALIGNMENT);
-            // SAFETY: `ALIGNMENT` is non-zero.
+            // A non-NULL address that owns no memory, aligned to 256 bytes and to `T` (an
+            // `Element` may be aligned to more).
+            let ptr = std::ptr::without_provenance_mut::<T>(ALIGNMENT.max(align_of::<T>()));
+            // SAFETY: the address is non-zero.
             return Some(Self { ptr: unsafe { NonNull::new_unchecked(ptr) }, len, head: 0 });
         }
         // Large buffers are zeroed by the allocator (`calloc`: the fresh pages of a large
@@ -726,6 +727,27 @@ mod tests {
         check(1.0f32);
         check(1.0f64);
         check(num_complex::Complex::new(1.0f64, -1.0));
+        check(true);
+        // An element type aligned to more than 256 bytes (a vector of 128 float32 lanes), empty
+        // and not.
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        #[repr(C, align(512))]
+        struct Wide([f32; 128]);
+        impl Default for Wide {
+            fn default() -> Self {
+                Wide([0.0; 128])
+            }
+        }
+        // SAFETY: 512 bytes of float32 lanes, no padding, every bit pattern a value.
+        unsafe impl Element for Wide {
+            const DTYPE: DataType = DataType::new(crate::dtype::TypeCode::FLOAT, 32, 128);
+        }
+        for len in [0, 1, 3] {
+            let b = AlignedBuffer::<Wide>::zeroed(len);
+            assert_eq!((b.as_ptr().addr() % 512, b.len()), (0, len));
+            assert!(b.iter().all(|w| *w == Wide::default()));
+        }
+        check(Wide([1.0; 128]));
         // Large enough to be zeroed by the allocator instead.
         let big = AlignedBuffer::<u64>::zeroed(ZEROED_BY_ALLOCATOR / 8);
         assert_eq!(big.as_ptr().addr() % ALIGNMENT, 0);

@@ -281,6 +281,14 @@ def test_a_table_refusal_releases_the_tensor_exactly_once():
     assert fake.deleted == 1
 
 
+def test_empty_with_a_zero_extent_has_no_elements_whatever_the_others_are():
+    # The element count is 0 even where the product of the other extents overflows (a fake
+    # buffer producer: numpy and torch refuse such shapes themselves).
+    x = hooks()._HostileBuffer(shape=[2**62, 4, 0], strides=[0, 0, 0], itemsize=4, format="f", length=0)
+    out, _ = hooks()._empty_like_probe(x)
+    assert (out.shape, out.dtype) == ((2**62, 4, 0), dlbridge.float32)
+
+
 def test_empty_of_an_impossible_size_is_a_memory_error_not_an_abort():
     np = need("numpy")
     x = np.broadcast_to(np.float32(0), (1 << 20, 1 << 20))

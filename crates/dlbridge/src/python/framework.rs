@@ -163,9 +163,13 @@ impl Framework {
             // adopts without copying. (torch's CPU allocator is plain aligned malloc; going
             // through its table would add a second tensor round trip, about 300 ns, for nothing.)
             _ if device.device_type() == crate::DeviceType::CPU => {
-                let buf = shape
-                    .iter()
-                    .try_fold(1usize, |a, &d| a.checked_mul(d))
+                // A zero extent makes no elements, whatever the others are.
+                let count = if shape.contains(&0) {
+                    Some(0)
+                } else {
+                    shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
+                };
+                let buf = count
                     .ok_or_else(|| "the element count overflows".to_string())
                     .and_then(|n| crate::AlignedBuffer::<T>::try_zeroed(n).map_err(|e| e.to_string()))
                     .map_err(|e| {

@@ -384,8 +384,9 @@ pub fn adopt<'py>(
     };
     // SAFETY: numpy's checked C API with the GIL held: a new descriptor reference (stolen by
     // NewFromDescr, on failure too); an array over `data` with `nd` extents and byte strides (NULL
-    // only where numpy computes the very same) that stay inside the tensor `base` owns; SetBaseObject steals `base` (on failure too), which then
-    // keeps the memory alive for as long as the array.
+    // only where numpy computes the very same) that stay inside the tensor `base` owns;
+    // SetBaseObject steals `base` (on failure too), which then keeps the memory alive for as long
+    // as the array.
     unsafe {
         let descr = (api.descr_from_type)(type_num);
         if descr.is_null() {
