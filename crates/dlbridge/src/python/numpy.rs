@@ -368,13 +368,13 @@ pub fn adopt<'py>(
         strides[i] = (s as isize).checked_mul(item).unwrap_or(0);
     }
     // Exactly numpy's own C strides (not merely C-contiguous: an axis of extent 1 may carry any
-    // stride, which numpy.from_dlpack would keep too).
-    let mut c = item;
-    let own = (0..n).rev().all(|i| {
-        let ok = strides[i] == c;
-        c = c.saturating_mul(dims[i].max(1));
-        ok
-    });
+    // stride, which numpy.from_dlpack would keep too): numpy's rule is `layout::c_strides`' (an
+    // extent of 0 counts as 1). Ranks above 8 pass their strides.
+    let mut c = [0i64; 8];
+    let own = n <= c.len() && {
+        crate::layout::c_strides_into(t.shape(), &mut c[..n]);
+        t.strides() == &c[..n]
+    };
     let strides_ptr = if own { std::ptr::null() } else { strides.as_ptr() };
     let (nd, data) = (t.ndim() as c_int, t.data_ptr());
     let flags = if t.is_read_only() { 0 } else { NPY_ARRAY_WRITEABLE };
