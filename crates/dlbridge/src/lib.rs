@@ -18,10 +18,29 @@
 //! assert_eq!(imported.as_slice::<f32>().unwrap(), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
 //! ```
 //!
-//! Modules: [`ffi`] is the raw ABI; [`layout`] the overflow-checked stride arithmetic; the rest is
-//! re-exported at the crate root. Feature `ndarray` adds `ndarray` views and export; feature
-//! `python` the PyO3 layer ([`python`]); features `faer`, `nalgebra`, `arrow`, `image`, `candle`
-//! and `cudarc` the bridges to those crates ([`bridges`], a table of what each does).
+//! ## Where things are
+//!
+//! At the crate root: [`ManagedTensor`], [`DataType`], [`Element`], [`Device`], [`DeviceType`],
+//! [`Error`], [`Result`], [`Flags`], [`SliceRef`]/[`SliceMut`], [`AlignedBuffer`], [`HostBuffer`],
+//! and, with feature `python`, the PyO3 argument and result types `TensorRef`, `TensorMut`,
+//! `TensorView`, `Framework`, `Output` and `argument_error` (defined in [`python`], which has
+//! the rest of the Python layer). In modules, named by path: [`spec`] (the requirement types of
+//! typed arguments: `Rank`, `Dim`, `Any`, `C`, `F`, `AnyOrder`, `Cpu`, `Cuda`, `AnyDevice`),
+//! [`ffi`] (the raw ABI), [`layout`] (the overflow-checked stride arithmetic), [`borrow`] (the
+//! borrow registry), [`export`], `ndarray` (feature `ndarray`: views and export) and
+//! [`bridges`] (features `faer`, `nalgebra`, `arrow`, `image`, `candle`, `cudarc`: a table of what
+//! each does).
+//!
+//! A PyO3 kernel's `use` lines (features `python` and `ndarray`, `pyo3 = "0.30"`):
+//!
+//! ```
+//! # #[cfg(feature = "python")]
+//! # mod kernel {
+//! use dlbridge::spec::{AnyOrder, C, Cpu, Rank};
+//! use dlbridge::{DataType, Framework, TensorMut, TensorRef, TensorView, argument_error};
+//! use pyo3::prelude::*;
+//! # }
+//! ```
 
 pub mod borrow;
 pub mod bridges;
@@ -50,3 +69,5 @@ pub use export::{ALIGNMENT, AlignedBuffer, HostBuffer};
 pub use flags::{Flags, Version};
 pub use managed::{MAX_NDIM, ManagedTensor, RawManagedTensor};
 pub use view::{SliceMut, SliceRef};
+#[cfg(feature = "python")]
+pub use python::{Framework, Output, TensorMut, TensorRef, TensorView, argument_error};

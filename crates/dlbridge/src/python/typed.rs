@@ -8,7 +8,7 @@
 //! words it the same way).
 //!
 //! ```no_run
-//! use dlbridge::python::{TensorMut, TensorRef};
+//! use dlbridge::{TensorMut, TensorRef};
 //! use dlbridge::spec::{C, Rank};
 //! use pyo3::prelude::*;
 //!
@@ -50,7 +50,6 @@
 //! ```
 
 use std::marker::PhantomData;
-use std::ops::Deref;
 
 use pyo3::prelude::*;
 
@@ -64,7 +63,39 @@ type Stated<T, S, O, D> = PhantomData<fn() -> (T, S, O, D)>;
 
 /// A read-only typed tensor argument: element type `T`, shape `S` ([`AnyShape`], `Rank<N>`, or a
 /// tuple of `Dim<N>`/`Any`), order `O` ([`AnyOrder`], `C`, `F`) and device `D` ([`Cpu`], `Cuda`,
-/// `AnyDevice`), checked at conversion. Derefs to [`ManagedTensor`] for the metadata.
+/// `AnyDevice`), checked at conversion.
+///
+/// It offers only typed access: `as_slice()` (compact orders on the CPU), `as_array()`, `get`,
+/// `to_vec`, `data_ptr()`, with no type parameter to restate, and the metadata (`shape()`,
+/// `strides()`, `dtype()`, ...). It does not deref to the untyped [`ManagedTensor`]: what the
+/// compiler can see is refused at compile time. `as_slice()` without a compact order states no
+/// memory order a slice could follow:
+///
+/// ```compile_fail,E0599
+/// use dlbridge::TensorRef;
+/// fn kernel(x: TensorRef<'_, f32>) {
+///     let _ = x.as_slice(); // E0599: as_slice needs the order C or F in the type
+/// }
+/// ```
+///
+/// and a second element type cannot be asked of a typed argument:
+///
+/// ```compile_fail,E0107
+/// use dlbridge::TensorRef;
+/// use dlbridge::spec::{C, Rank};
+/// fn kernel(x: TensorRef<'_, f32, Rank<1>, C>) {
+///     let _ = x.as_slice::<f64>(); // E0107: as_slice takes no type parameter: the type says f32
+/// }
+/// ```
+///
+/// ```compile_fail,E0599
+/// use dlbridge::TensorRef;
+/// fn kernel(x: TensorRef<'_, f32>) {
+///     let _ = x.as_slice::<f64>(); // E0599: no untyped as_slice::<U> behind a typed argument
+/// }
+/// ```
+///
+/// The untyped tensor stays one explicit call away ([`TensorRef::untyped`]).
 #[repr(transparent)]
 pub struct TensorRef<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
     view: TensorView<'a>,
@@ -72,7 +103,9 @@ pub struct TensorRef<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
 }
 
 /// A writable typed tensor argument: as [`TensorRef`], and the tensor must be writable (not
-/// read-only, no two elements sharing memory); gives mutable slices and views.
+/// read-only, no two elements sharing memory); gives mutable slices and views
+/// (`as_slice_mut()`, `as_array_mut()`, `data_ptr_mut()`), typed as the argument states. Like
+/// [`TensorRef`], it does not deref to the untyped tensor ([`TensorMut::untyped`] gives it).
 #[repr(transparent)]
 pub struct TensorMut<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
     view: TensorView<'a>,
@@ -92,9 +125,61 @@ macro_rules! common {
             /// The requirements this argument states.
             pub const SPEC: crate::spec::Spec = SpecOf::<T, S, O, D>::$spec;
 
-            /// The untyped view.
+            /// The untyped borrowed view this argument was checked over (its own untyped
+            /// accessors restate the element type: `view().as_slice::<T>()`).
             pub fn view(&self) -> &TensorView<'a> {
                 &self.view
+            }
+
+            /// The untyped tensor (dtype, shape, strides, flags, ...; the untyped accessors
+            /// `as_slice::<U>()` and the like check the element type again at run time).
+            pub fn untyped(&self) -> &ManagedTensor {
+                &self.view
+            }
+
+            /// The number of dimensions.
+            pub fn ndim(&self) -> usize {
+                self.view.ndim()
+            }
+
+            /// The extents, one per dimension.
+            pub fn shape(&self) -> &[i64] {
+                self.view.shape()
+            }
+
+            /// The strides in elements, one per dimension.
+            pub fn strides(&self) -> &[i64] {
+                self.view.strides()
+            }
+
+            /// The element type: always `T::DTYPE` (checked at conversion).
+            pub fn dtype(&self) -> crate::DataType {
+                self.view.dtype()
+            }
+
+            /// The device the memory is on.
+            pub fn device(&self) -> crate::Device {
+                self.view.device()
+            }
+
+            /// The number of elements.
+            pub fn numel(&self) -> usize {
+                self.view.numel()
+            }
+
+            /// Whether the producer marked the memory read-only (never for a [`TensorMut`]).
+            pub fn is_read_only(&self) -> bool {
+                self.view.is_read_only()
+            }
+
+            /// Whether the layout is compact row-major (size-1 axes ignored).
+            pub fn is_c_contiguous(&self) -> bool {
+                self.view.is_c_contiguous()
+            }
+
+            /// Whether the layout is compact column-major (size-1 axes ignored).
+            pub fn is_f_contiguous(&self) -> bool {
+                self.view.is_f_contiguous()
             }
 
             /// The caller's own object (to return it, or to call its methods).
@@ -116,14 +201,7 @@ macro_rules! common {
             /// A new tensor of `U` with this one's shape and device, in the caller's framework
             /// ([`super::Framework::empty`]): fill it and return it.
             pub fn empty_like<U: Element>(&self, py: Python<'_>) -> PyResult<super::Output<U>> {
-                self.framework(py)?.empty_like::<U>(py, self)
-            }
-        }
-
-        impl<'a, T, S, O, D> Deref for $ty<'a, T, S, O, D> {
-            type Target = ManagedTensor;
-            fn deref(&self) -> &ManagedTensor {
-                &self.view
+                self.framework(py)?.empty_like::<U>(py, self.untyped())
             }
         }
 
@@ -172,6 +250,18 @@ macro_rules! common {
             /// An `ndarray` view with the tensor's strides, holding a shared lease.
             pub fn as_array(&self) -> crate::Result<crate::ndarray::ArrayGuard<'_, T>> {
                 self.view.as_array::<T>()
+            }
+        }
+
+        impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: HostSpec> $ty<'a, T, S, O, D> {
+            /// The element at `index` (one index per dimension), any strides.
+            pub fn get(&self, index: &[usize]) -> crate::Result<T> {
+                self.view.get::<T>(index)
+            }
+
+            /// The elements in row-major order, copied into a `Vec`, any strides.
+            pub fn to_vec(&self) -> crate::Result<Vec<T>> {
+                self.view.to_vec::<T>()
             }
         }
     };
