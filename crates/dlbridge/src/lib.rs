@@ -68,6 +68,6 @@ pub use error::{Error, Result};
 pub use export::{ALIGNMENT, AlignedBuffer, HostBuffer};
 pub use flags::{Flags, Version};
 pub use managed::{MAX_NDIM, ManagedTensor, RawManagedTensor};
-pub use view::{SliceMut, SliceRef};
 #[cfg(feature = "python")]
 pub use python::{Framework, Output, TensorMut, TensorRef, TensorView, argument_error};
+pub use view::{SliceMut, SliceRef};
