@@ -14,7 +14,7 @@ export PIP_NO_CACHE_DIR := 1
 # One interpreter for every build (cargo and maturin), so pyo3 is configured once.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: demo demo-abi test lint rust-test miri hooks-absent matrix docs valgrind valgrind-python develop py-test stubs bench fuzz soak clean
+.PHONY: demo demo-abi test lint rust-test miri hooks-absent matrix docs valgrind valgrind-python develop py-test stubs package bench fuzz soak clean
 
 demo: develop
 	cd /tmp && $(PY) $(CURDIR)/examples/demo.py
@@ -23,7 +23,7 @@ demo: develop
 demo-abi:
 	$(CARGO) run --quiet --example demo
 
-test: lint rust-test miri docs valgrind py-test stubs hooks-absent matrix
+test: lint rust-test miri docs valgrind py-test stubs hooks-absent matrix package
 
 $(STAMP): python/requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,12 @@ matrix: $(STAMP)
 # The .pyi stubs must match the compiled module.
 stubs: develop
 	cd /tmp && $(PY) -m mypy.stubtest dlbridge._dlbridge --mypy-config-file $(CURDIR)/pyproject.toml
+
+# What the registries would get: the crate built from its packaged files (cargo publish --dry-run),
+# the sdist built once into a release wheel that auditwheel calls manylinux, that wheel smoke-tested
+# in a clean virtualenv (scripts/package_check.sh; its own target dir, target/package-check).
+package: $(STAMP)
+	PY=$(PY) bash scripts/package_check.sh
 
 # Side-by-side benchmarks (release builds of dlbridge and of the peer shims), criterion benchmarks of
 # the Rust core, callgrind instruction counts; writes docs/BENCHMARKS.md and docs/bench_sizes.png.
