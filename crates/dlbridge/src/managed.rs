@@ -59,6 +59,31 @@ impl Raw {
     }
 }
 
+/// A producer's deleter that a [`DeleterGate`] received instead of [`ManagedTensor`]'s drop
+/// calling it: [`PendingDeleter::run`] calls it (once, since it consumes the value); dropping it
+/// unrun leaks the producer's tensor, never frees it twice.
+#[must_use = "dropping a PendingDeleter leaks the tensor; call run()"]
+pub(crate) struct PendingDeleter(Raw);
+
+// SAFETY: it owns the managed struct exclusively (moved out of a dropped ManagedTensor, which is
+// Send), and DLPack deleters may be called from any thread.
+unsafe impl Send for PendingDeleter {}
+
+impl PendingDeleter {
+    /// Calls the producer's deleter, on this thread.
+    pub(crate) fn run(self) {
+        // SAFETY: the struct came, live and owned, from a ManagedTensor being dropped; `self` is
+        // consumed, so this is the one call.
+        unsafe { self.0.delete() }
+    }
+}
+
+/// Where a [`ManagedTensor`]'s foreign deleter runs when it is dropped: a function that either
+/// runs the [`PendingDeleter`] (at once or later, on any thread) or leaks it. A layer that knows
+/// when a producer's deleter may block installs one (the Python layer: deleters that may take
+/// the GIL must not run on a thread without it while another thread may wait for this one).
+pub(crate) type DeleterGate = fn(PendingDeleter);
+
 /// An owned, validated DLPack tensor (legacy or versioned), whose producer's deleter runs exactly
 /// once, on drop.
 ///
@@ -82,11 +107,14 @@ pub struct ManagedTensor {
     /// The flags in force for this handle (for legacy tensors, what this side decided).
     flags: Flags,
     numel: u64,
+    /// Where the deleter runs on drop (`None`: at once, on the dropping thread).
+    gate: Option<DeleterGate>,
 }
 
 // SAFETY: a ManagedTensor owns its struct exclusively; the metadata it reads is immutable after
-// validation, and DLPack deleters may be called from any thread (the Python layer's deleters take
-// the GIL themselves). Writes through the data pointer need `&mut self` or `unsafe`.
+// validation, and DLPack deleters may be called from any thread (a deleter that may block there,
+// such as one taking the GIL, is routed through a gate by the layer that knows it: see
+// `with_deleter_gate`). Writes through the data pointer need `&mut self` or `unsafe`.
 unsafe impl Send for ManagedTensor {}
 // SAFETY: `&self` methods only read immutable metadata and hand out shared slices.
 unsafe impl Sync for ManagedTensor {}
@@ -142,7 +170,7 @@ impl ManagedTensor {
         }
         // SAFETY: a major-1 struct has the 1.x layout; the caller's promise about shape/strides.
         let numel = unsafe { fast_accept(&(*p).dl_tensor, flags) }?;
-        Some(Self { raw: Raw::Versioned(ptr), own_strides: None, flags, numel })
+        Some(Self { raw: Raw::Versioned(ptr), own_strides: None, flags, numel, gate: None })
     }
 
     /// Takes ownership of a legacy (pre-1.0) managed tensor after validating it. Its flags start
@@ -194,7 +222,7 @@ impl ManagedTensor {
     pub(crate) unsafe fn borrowed_if_common(t: NonNull<DLTensor>, flags: Flags) -> Option<Self> {
         // SAFETY: the caller's promise.
         let numel = unsafe { fast_accept(t.as_ref(), flags) }?;
-        Some(Self { raw: Raw::Borrowed(t), own_strides: None, flags, numel })
+        Some(Self { raw: Raw::Borrowed(t), own_strides: None, flags, numel, gate: None })
     }
 
     /// Checks every field of `t`; the caller deletes `raw` on error.
@@ -206,7 +234,7 @@ impl ManagedTensor {
     unsafe fn validate(raw: Raw, t: &DLTensor, flags: Flags) -> Result<Self> {
         // SAFETY: the caller's promise, passed on.
         if let Some(numel) = unsafe { fast_accept(t, flags) } {
-            return Ok(Self { raw, own_strides: None, flags, numel });
+            return Ok(Self { raw, own_strides: None, flags, numel, gate: None });
         }
         // SAFETY: the caller's promise, passed on.
         unsafe { Self::validate_general(raw, t, flags) }
@@ -251,7 +279,7 @@ impl ManagedTensor {
                 return Err(Error::SpanOverflow { shape: shape.to_vec(), strides: strides.to_vec() });
             }
         }
-        Ok(Self { raw, own_strides, flags, numel })
+        Ok(Self { raw, own_strides, flags, numel, gate: None })
     }
 
     /// The plain tensor description.
@@ -385,6 +413,15 @@ impl ManagedTensor {
         self
     }
 
+    /// This tensor with its deleter routed through `gate` when it is dropped (refusals during
+    /// validation happened before, on the importing thread).
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn with_deleter_gate(mut self, gate: DeleterGate) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
     /// Gives up ownership without calling the deleter, returning the raw pointer. The caller
     /// becomes responsible for calling the deleter exactly once. For a versioned tensor, flags
     /// set on this side (read-only) are written into the struct first.
@@ -424,8 +461,12 @@ impl ManagedTensor {
 
 impl Drop for ManagedTensor {
     fn drop(&mut self) {
-        // SAFETY: we own the live struct; drop runs once.
-        unsafe { self.raw.delete() }
+        match self.gate {
+            // The gate runs or leaks it; either way this handle never touches it again.
+            Some(gate) => gate(PendingDeleter(self.raw)),
+            // SAFETY: we own the live struct; drop runs once.
+            None => unsafe { self.raw.delete() },
+        }
     }
 }
 
@@ -600,6 +641,32 @@ mod tests {
                 prop_assert_eq!(general.map(|m| m.numel).ok(), Some(numel));
             }
         }
+    }
+
+    /// Deleters handed to [`queue_gate`], run by the test.
+    static GATED: std::sync::Mutex<Vec<PendingDeleter>> = std::sync::Mutex::new(Vec::new());
+
+    fn queue_gate(d: PendingDeleter) {
+        GATED.lock().unwrap().push(d);
+    }
+
+    #[test]
+    fn a_gated_deleter_runs_when_the_gate_runs_it_and_only_then() {
+        let data: std::sync::Arc<[f32]> = vec![1.0f32, 2.0, 3.0].into();
+        let t = ManagedTensor::from_host(data.clone(), &[3]).unwrap().with_deleter_gate(queue_gate);
+        assert_eq!(std::sync::Arc::strong_count(&data), 2);
+        // Dropped on another thread: the gate takes the deleter; nothing is freed yet.
+        std::thread::spawn(move || drop(t)).join().unwrap();
+        assert_eq!(std::sync::Arc::strong_count(&data), 2);
+        let pending = std::mem::take(&mut *GATED.lock().unwrap());
+        assert_eq!(pending.len(), 1);
+        for d in pending {
+            d.run();
+        }
+        assert_eq!(std::sync::Arc::strong_count(&data), 1);
+        // Without a gate the deleter runs on drop, as before.
+        drop(ManagedTensor::from_host(data.clone(), &[3]).unwrap());
+        assert_eq!(std::sync::Arc::strong_count(&data), 1);
     }
 
     #[test]

@@ -191,7 +191,8 @@ pub fn consume(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<Ma
             // SAFETY: the capsule handed us ownership of a producer's legacy struct.
             unsafe { ManagedTensor::from_raw_legacy(p.cast::<DLManagedTensor>()) }
         };
-        return Ok(t?);
+        // The producer's deleter may take the GIL: never run on a thread without it.
+        return Ok(super::release::gate_deleter(t?));
     }
     let name = capsule_name(obj);
     if name.starts_with("used_") {

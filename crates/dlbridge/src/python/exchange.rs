@@ -386,6 +386,8 @@ impl ExchangeApi {
             // SAFETY: as above; nothing was taken (NULL is refused without being read).
             None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
         };
+        // The producer's deleter (torch's takes the GIL) never runs on a thread without the GIL.
+        let mt = super::release::gate_deleter(mt);
         refuse_lazy_views(obj, mt.dtype(), self.torch_state)?;
         Ok(Ok(mt))
     }
@@ -549,7 +551,7 @@ impl ExchangeApi {
             });
         }
         // SAFETY: an owning pointer handed to us; validation deletes it on refusal.
-        let t = unsafe { ManagedTensor::from_raw_versioned(out) }?;
+        let t = super::release::gate_deleter(unsafe { ManagedTensor::from_raw_versioned(out) }?);
         let asked = t.dtype() == dtype && t.shape() == shape && t.device() == device && t.is_c_contiguous();
         if !asked || t.is_read_only() {
             return Err(PyBufferError::new_err(format!(
@@ -776,7 +778,8 @@ unsafe extern "C" fn to_py_object_no_sync(
     let py = unsafe { Python::assume_attached() };
     // SAFETY: the consumer hands over (steals into) an owning pointer; validation deletes it on refusal.
     let t = match unsafe { ManagedTensor::from_raw_versioned(tensor) } {
-        Ok(t) => t,
+        // Whoever produced it, its deleter may take the GIL.
+        Ok(t) => super::release::gate_deleter(t),
         Err(e) => {
             super::fastcall::raise(PyErr::from(e));
             return -1;

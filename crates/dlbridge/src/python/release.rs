@@ -1,6 +1,7 @@
 //! Releasing Python resources from deleters and drops without ever blocking: a reference
-//! ([`release_object`]) or a buffer-protocol view ([`HeldBuffer`]) is released at once when this
-//! thread holds the GIL, and otherwise queued and released by the next thread that does.
+//! ([`release_object`]), a buffer-protocol view ([`HeldBuffer`]) or a foreign producer's deleter
+//! ([`gate_deleter`]) is released at once when this thread holds the GIL, and otherwise queued and
+//! released by the next thread that does.
 //!
 //! A deleter may run on any thread: a consumer's worker, a rayon task, a thread the interpreter
 //! never saw. Taking the GIL there (`PyGILState_Ensure`) can deadlock: the thread holding it may be
@@ -20,10 +21,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::managed::{ManagedTensor, PendingDeleter};
+
 /// Something to release with the GIL.
 enum Pending {
     Object(NonNull<ffi::PyObject>),
     Buffer(NonNull<ffi::Py_buffer>),
+    /// A foreign producer's deleter (torch's, jax's, a capsule's): it may take the GIL.
+    Deleter(PendingDeleter),
 }
 
 // SAFETY: the pointers are only dereferenced (released) by a thread holding the GIL.
@@ -42,6 +47,9 @@ impl Pending {
                 ffi::PyBuffer_Release(p.as_ptr());
                 drop(Box::from_raw(p.as_ptr()));
             },
+            // With the GIL held here, a deleter that takes it again (PyGILState_Ensure) cannot
+            // wait for another thread.
+            Pending::Deleter(d) => d.run(),
         }
     }
 }
@@ -165,6 +173,22 @@ pub(crate) fn drain_queued(_py: Python<'_>) {
 /// `obj` is a strong reference the caller owns and gives up.
 pub(crate) unsafe fn release_object(obj: NonNull<ffi::PyObject>) {
     release_or_queue(Pending::Object(obj));
+}
+
+/// Routes a foreign tensor's deleter through the queue: when the tensor is dropped on a thread
+/// that holds the GIL the deleter runs at once; elsewhere it is queued and run by the next GIL
+/// holder (the pending call, or any dlbridge entry point), never on the dropping thread. A
+/// producer's deleter may take the GIL (torch's does: `PyGILState_Ensure`), which deadlocks on a
+/// worker whose joining caller holds it; dlbridge cannot prove any foreign deleter free of that,
+/// so every tensor a producer hands over through the Python layer (capsules, exchange tables) goes
+/// through here.
+#[inline]
+pub(crate) fn gate_deleter(t: ManagedTensor) -> ManagedTensor {
+    t.with_deleter_gate(defer_deleter)
+}
+
+fn defer_deleter(d: PendingDeleter) {
+    release_or_queue(Pending::Deleter(d));
 }
 
 /// A buffer-protocol view held until drop: filled in place on the heap, so exporters that point

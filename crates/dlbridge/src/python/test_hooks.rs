@@ -11,6 +11,7 @@ use super::view::TensorView;
 pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
     m.add_function(wrap_pyfunction!(_drop_while_caller_holds_the_gil, m)?)?;
+    m.add_function(wrap_pyfunction!(_drop_on_worker, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(_view, m)?)?;
@@ -170,6 +171,15 @@ impl HostileBuffer {
 #[pyfunction]
 fn _drop_while_caller_holds_the_gil(x: &Bound<'_, PyAny>) -> PyResult<()> {
     let t = super::protocols::asdlpack_with(x, None)?.tensor;
+    std::thread::scope(|s| s.spawn(move || drop(t)).join())
+        .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the worker thread panicked"))
+}
+
+/// Test hook: what a kernel that forgets `py.detach` does: takes `t` as a `ManagedTensor` argument
+/// (any producer) and drops it on a scoped worker while this thread holds the GIL and joins it.
+/// A producer's deleter that took the GIL on the worker deadlocked here.
+#[pyfunction]
+fn _drop_on_worker(t: crate::ManagedTensor) -> PyResult<()> {
     std::thread::scope(|s| s.spawn(move || drop(t)).join())
         .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the worker thread panicked"))
 }
