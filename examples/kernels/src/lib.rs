@@ -4,17 +4,19 @@
 //! array (torch in, `torch.Tensor` out), allocated by the caller's framework where it can.
 //! The Python contract of every function is in this crate's README.
 
-use dlbridge::DataType;
-use dlbridge::python::{TensorMut, TensorRef, TensorView, argument_error};
-use dlbridge::spec::{C, Rank};
+use dlbridge::spec::{AnyOrder, C, Cpu, Rank};
+use dlbridge::{DataType, TensorMut, TensorRef, TensorView, argument_error};
 use half::bf16;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use rayon::prelude::*;
 
 /// The element types the kernels compute with: each is read and written through `f64`.
+/// (A helper of this example, not part of dlbridge.)
 trait Real: dlbridge::Element + Copy + Send + Sync {
+    /// The value as an `f64`.
     fn get(self) -> f64;
+    /// `v` rounded to this type.
     fn put(v: f64) -> Self;
 }
 
@@ -93,8 +95,8 @@ fn saxpy_typed<'py, T: Real>(
     x: TensorView<'_>,
     y: TensorView<'_>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let x = x.typed::<T, Rank<1>, C, dlbridge::spec::Cpu>().map_err(|e| argument_error("x", e))?;
-    let y = y.typed::<T, Rank<1>, C, dlbridge::spec::Cpu>().map_err(|e| argument_error("y", e))?;
+    let x = x.typed::<T, Rank<1>, C, Cpu>().map_err(|e| argument_error("x", e))?;
+    let y = y.typed::<T, Rank<1>, C, Cpu>().map_err(|e| argument_error("y", e))?;
     if x.shape() != y.shape() {
         return Err(PyValueError::new_err(format!(
             "saxpy: x and y have lengths {} and {}",
@@ -130,7 +132,7 @@ fn softmax<'py>(py: Python<'py>, x: TensorView<'_>) -> PyResult<Bound<'py, PyAny
 }
 
 fn softmax_typed<'py, T: Real>(py: Python<'py>, x: TensorView<'_>) -> PyResult<Bound<'py, PyAny>> {
-    let x = x.typed::<T, Rank<2>, C, dlbridge::spec::Cpu>().map_err(|e| argument_error("x", e))?;
+    let x = x.typed::<T, Rank<2>, C, Cpu>().map_err(|e| argument_error("x", e))?;
     let cols = x.shape()[1] as usize;
     let mut out = x.empty_like::<T>(py)?;
     {
@@ -183,7 +185,6 @@ fn layer_norm_typed<'py, T: Real>(
     bias: TensorView<'_>,
     eps: f64,
 ) -> PyResult<Bound<'py, PyAny>> {
-    use dlbridge::spec::{AnyOrder, Cpu};
     let x = x.typed::<T, Rank<2>, AnyOrder, Cpu>().map_err(|e| argument_error("x", e))?;
     let w = weight.typed::<T, Rank<1>, AnyOrder, Cpu>().map_err(|e| argument_error("weight", e))?;
     let b = bias.typed::<T, Rank<1>, AnyOrder, Cpu>().map_err(|e| argument_error("bias", e))?;
