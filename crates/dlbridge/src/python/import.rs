@@ -65,11 +65,32 @@ fn cannot_copy(py: Python<'_>, e: &PyErr) -> bool {
         && !e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py)
 }
 
+/// The error contract: whatever a producer raises when it refuses an export reaches the caller as
+/// a `BufferError` whose `__cause__` is the producer's exception (a `BufferError` of the producer's
+/// own passes as it is). Interrupts, exits and `MemoryError` pass untouched: they are not refusals.
+fn refused(obj: &Bound<'_, PyAny>, method: &str, e: PyErr) -> PyErr {
+    let py = obj.py();
+    if e.is_instance_of::<PyBufferError>(py)
+        || !e.is_instance_of::<pyo3::exceptions::PyException>(py)
+        || e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py)
+    {
+        return e;
+    }
+    let kind = e.get_type(py).qualname().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    let err = PyBufferError::new_err(format!(
+        "{}.{method}() refused the export ({kind}: {})",
+        type_name(obj),
+        e.value(py)
+    ));
+    err.set_cause(py, Some(e));
+    err
+}
+
 /// Reads `__dlpack_device__()`'s `(type, id)` result.
 fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
     let py = obj.py();
     let Some(f) = obj.getattr_opt(intern!(py, "__dlpack_device__"))? else { return Ok(None) };
-    let r = f.call0()?;
+    let r = f.call0().map_err(|e| refused(obj, "__dlpack_device__", e))?;
     let (t, id) = r.extract::<(i32, i32)>().map_err(|_| {
         PyTypeError::new_err(format!(
             "{}.__dlpack_device__() returned {}, expected a (device_type, device_id) tuple of ints",
@@ -156,24 +177,25 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
         _ => opts,
     };
     // `self_copy`: the producer was called without `copy`, so a copy asked for is dlbridge's to make.
+    let legacy = |e| refused(obj, "__dlpack__", e);
     let (capsule, self_copy) = if info.legacy {
-        (call_legacy(obj, call_opts)?, true)
+        (call_legacy(obj, call_opts).map_err(legacy)?, true)
     } else {
         match call_dlpack(obj, call_opts) {
             Ok(c) => (c, false),
             Err(e) if rejects_keywords(py, &e) => {
                 cache::mark_legacy(&ty);
-                (call_legacy(obj, call_opts)?, true)
+                (call_legacy(obj, call_opts).map_err(legacy)?, true)
             }
             // A producer that cannot copy (tensorflow raises RuntimeError): dlbridge copies, from
             // the producer's own export; if that fails too, the producer's first word stands.
             Err(e) if opts.copy == Some(true) && cannot_copy(py, &e) => {
                 match call_dlpack(obj, &ImportOptions { copy: None, ..call_opts.clone() }) {
                     Ok(c) => (c, true),
-                    Err(_) => return Err(e),
+                    Err(_) => return Err(refused(obj, "__dlpack__", e)),
                 }
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(refused(obj, "__dlpack__", e)),
         }
     };
     let mt = consume(&capsule, &|| format!("the object returned by {}.__dlpack__()", type_name(obj)))?;
