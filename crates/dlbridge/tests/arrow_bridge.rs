@@ -90,7 +90,7 @@ fn refusals_name_what_is_wrong() {
     assert!(e.contains("in C order") && e.contains("strides (2,)"), "{e}");
     let wrong = ManagedTensor::from_vec(vec![1i32; 4], &[4]).unwrap();
     let e = wrong.into_arrow::<Float64Type>().unwrap_err().to_string();
-    assert!(e.starts_with("expected float64 host tensor, got int32"), "{e}");
+    assert!(e.starts_with("expected float64 cpu tensor, got int32"), "{e}");
     let one_d = ManagedTensor::from_vec(vec![1u8; 4], &[4]).unwrap();
     assert!(one_d.into_arrow_tensor::<UInt8Type>().unwrap_err().to_string().contains("2 or more dimensions"));
 }
@@ -147,4 +147,39 @@ fn lists_with_nulls_are_refused() {
     let list = FixedSizeListArray::try_new(item, 2, values, Some(nulls)).unwrap();
     let e = ManagedTensor::from_arrow_tensor::<Int32Type>(&list, None).unwrap_err().to_string();
     assert!(e.contains("without nulls (FixedSizeListArray") && e.contains("null_count 1 of 2"), "{e}");
+}
+
+/// Issue 20: lists of 0 values made `FixedSizeListArray::try_new` count 0 lists, so `(2, 0, 3)`
+/// came back `(0, 0, 3)`. Every empty shape keeps every extent, both ways.
+#[test]
+fn empty_tensors_keep_their_shape_through_fixed_size_lists() {
+    for shape in [[2, 0, 3], [0, 2, 3], [2, 3, 0], [0, 0, 0], [5, 0, 0], [1, 0, 1]] {
+        let t = ManagedTensor::from_vec(Vec::<f64>::new(), &shape).unwrap();
+        let (field, list) = t.into_arrow_tensor::<Float64Type>().unwrap();
+        assert_eq!((list.len(), list.value_length() as usize), (shape[0], shape[1] * shape[2]), "{shape:?}");
+        let cell = format!("{{\"shape\":[{},{}]}}", shape[1], shape[2]);
+        assert_eq!(field.metadata()["ARROW:extension:metadata"], cell);
+        let back = ManagedTensor::from_arrow_tensor::<Float64Type>(&list, Some(&field)).unwrap();
+        let want: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        assert_eq!((back.shape(), back.numel()), (&want[..], 0), "{shape:?}");
+        let flat = ManagedTensor::from_arrow_tensor::<Float64Type>(&list, None).unwrap();
+        assert_eq!(flat.shape(), &[shape[0] as i64, (shape[1] * shape[2]) as i64]);
+    }
+    // 2-d: n lists of 0 values.
+    let t = ManagedTensor::from_vec(Vec::<i32>::new(), &[4, 0]).unwrap();
+    let (field, list) = t.into_arrow_tensor::<Int32Type>().unwrap();
+    assert_eq!((list.len(), list.value_length()), (4, 0));
+    let back = ManagedTensor::from_arrow_tensor::<Int32Type>(&list, Some(&field)).unwrap();
+    assert_eq!(back.shape(), &[4, 0]);
+    // A zero cell extent makes every list empty even when the other extents' product overflows.
+    let huge = ManagedTensor::from_host_bytes(
+        Vec::<u8>::new(),
+        dlbridge::DataType::UINT8,
+        &[3, 1 << 40, 1 << 40, 0],
+        None,
+        0,
+    )
+    .unwrap();
+    let (_, list) = huge.into_arrow_tensor::<UInt8Type>().unwrap();
+    assert_eq!((list.len(), list.value_length()), (3, 0));
 }

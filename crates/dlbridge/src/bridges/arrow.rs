@@ -121,14 +121,18 @@ impl ManagedTensor {
 
     /// A C-contiguous host tensor of 2 or more dimensions `(n, d1, ..., dk)` as `n` fixed-size
     /// lists of `d1 * ... * dk` values, without copying, with the field that carries the
-    /// `arrow.fixed_shape_tensor` extension type (`{"shape":[d1,...,dk]}`).
+    /// `arrow.fixed_shape_tensor` extension type (`{"shape":[d1,...,dk]}`). Empty tensors keep
+    /// their shape: `(2, 0, 3)` is 2 lists of 0 values with cell shape `[0,3]`.
     pub fn into_arrow_tensor<A: ArrowPrimitiveType>(self) -> Result<(Field, FixedSizeListArray)>
     where
         A::Native: Element,
     {
         let dims: Vec<usize> = self.shape().iter().map(|&d| d as usize).collect();
-        let size = dims.iter().skip(1).product::<usize>();
-        let Some(size) = i32::try_from(size).ok().filter(|_| dims.len() >= 2) else {
+        // Elements per list; 0 if any cell extent is 0 (the others may then be anything).
+        let cell = dims.get(1..).unwrap_or_default();
+        let size =
+            if cell.contains(&0) { Some(0) } else { cell.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) };
+        let Some(size) = size.and_then(|s| i32::try_from(s).ok()).filter(|_| dims.len() >= 2) else {
             return Err(Error::Incompatible {
                 expected: "a tensor of 2 or more dimensions whose rows have at most 2^31-1 elements \
                            (an arrow FixedSizeListArray)"
@@ -138,9 +142,13 @@ impl ManagedTensor {
         };
         let values = self.into_arrow_values::<A>()?;
         let item = Arc::new(Field::new("item", A::DATA_TYPE, false));
-        let list = FixedSizeListArray::try_new(item, size, Arc::new(values), None).map_err(|e| {
-            Error::Incompatible { expected: "a valid FixedSizeListArray".into(), found: e.to_string() }
-        })?;
+        // The number of lists is stated, not inferred: with lists of 0 values (a 0 among the cell
+        // extents) `try_new` would count values / size as 0 lists, losing the first extent.
+        let list = FixedSizeListArray::try_new_with_length(item, size, Arc::new(values), None, dims[0])
+            .map_err(|e| Error::Incompatible {
+                expected: "a valid FixedSizeListArray".into(),
+                found: e.to_string(),
+            })?;
         let shape = dims[1..].iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
         let meta = HashMap::from([
             (EXTENSION_NAME.to_string(), FIXED_SHAPE_TENSOR.to_string()),
