@@ -7,10 +7,14 @@
 #   2. sdist:   `maturin sdist`; it must carry pyproject.toml, both crates, the Python sources, the
 #               license texts and the README.
 #   3. wheel:   the sdist built once, in release mode, by pip from a clean virtualenv (PEP 517, the
-#               maturin that pyproject.toml's build-system names), with `--compatibility pypi`: the
-#               lowest manylinux tag the binary meets, as `maturin build --release` picks, but an
-#               error instead of a silent plain `linux` tag. `auditwheel show` must then find the
-#               wheel consistent with a manylinux policy, the same one as its tag.
+#               maturin that pyproject.toml's build-system names), with `--compatibility pypi`
+#               (only tags PyPI accepts: the lowest manylinux tag the binary meets, as `maturin
+#               build --release` picks; pip's default, `off`, would tag it plain `linux`).
+#               `auditwheel show` must then find the wheel consistent with a manylinux policy, the
+#               same one as its tag; the wheel carries the license texts. The policy is the build
+#               machine's glibc (manylinux_2_34 on glibc 2.34+: the linker binds dlopen, dlsym and
+#               pthread_key_* to their 2.34 symbol versions); a manylinux2014 wheel needs a
+#               manylinux2014 build image (or maturin --zig), which is the release pipeline's job.
 #   4. install: that wheel and numpy (the pin in python/requirements-test.txt) into another clean
 #               virtualenv, and a smoke test run from outside the tree: import, zero-copy both ways,
 #               no test hooks.
@@ -96,6 +100,12 @@ wheel() {
   tag=${tag%.whl}
   tag=${tag##*-}
   [[ ".$tag." == *".$policy."* ]] || fail "the wheel is tagged $tag, auditwheel says $policy"
+  "$tmp/build/bin/python" - "$whl" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+for f in ("LICENSE-MIT", "LICENSE-APACHE"):
+    assert any(n.endswith(".dist-info/licenses/" + f) for n in names), f"the wheel lacks {f}"
+PY
   echo "package: $(basename "$whl") is a valid $policy wheel"
 }
 
