@@ -41,6 +41,7 @@ __all__ = [
     "float6_e3m2fn",
     "float4_e2m1fn",
     "float4_e2m1fn_x2",
+    "bcomplex32",
 ]
 
 __dlpack_version__: Final[tuple[int, int]]
@@ -62,6 +63,9 @@ class DeviceType(enum.IntEnum):
     HEXAGON = 16
     MAIA = 17
     TRN = 18
+    TPU = 19
+    TPU_HOST = 20
+    ASCEND = 21
 
 @final
 class DType:
@@ -182,3 +186,4 @@ float6_e2m3fn: Final[DType]
 float6_e3m2fn: Final[DType]
 float4_e2m1fn: Final[DType]
 float4_e2m1fn_x2: Final[DType]
+bcomplex32: Final[DType]

@@ -15,11 +15,12 @@ use std::str::FromStr;
 use crate::error::Error;
 use crate::ffi::DLDevice;
 
-/// The DLPack device type: an open `i32` with a named constant for every device of DLPack 1.3
-/// (`DeviceType::CPU`, `DeviceType::CUDA`, ...). Unknown values are representable.
+/// The DLPack device type: an open `i32` with a named constant for every device of DLPack 1.3 and
+/// the ones its header has merged since (`DeviceType::CPU`, `DeviceType::CUDA`,
+/// `DeviceType::TPU_HOST`, ...). Unknown values are representable.
 pub use crate::ffi::DLDeviceType as DeviceType;
 
-const NAMES: [(DeviceType, &str); 16] = [
+const NAMES: [(DeviceType, &str); 19] = [
     (DeviceType::CPU, "cpu"),
     (DeviceType::CUDA, "cuda"),
     (DeviceType::CUDA_HOST, "cuda_host"),
@@ -36,39 +37,45 @@ const NAMES: [(DeviceType, &str); 16] = [
     (DeviceType::HEXAGON, "hexagon"),
     (DeviceType::MAIA, "maia"),
     (DeviceType::TRN, "trn"),
+    (DeviceType::TPU, "tpu"),
+    (DeviceType::TPU_HOST, "tpu_host"),
+    (DeviceType::ASCEND, "ascend"),
 ];
 
 impl DeviceType {
-    /// Every device type named by DLPack 1.3, in code order.
-    pub const ALL: [Self; 16] = {
-        let mut all = [Self::CPU; 16];
+    /// Every device type the header names (DLPack 1.3's 16, then `TPU`, `TPU_HOST` and `ASCEND`,
+    /// merged since), in code order.
+    pub const ALL: [Self; 19] = {
+        let mut all = [Self::CPU; 19];
         let mut i = 0;
-        while i < 16 {
+        while i < 19 {
             all[i] = NAMES[i].0;
             i += 1;
         }
         all
     };
 
-    /// The lower-case name (`"cpu"`, `"cuda_host"`), or `None` for a value DLPack 1.3 does not name.
+    /// The lower-case name (`"cpu"`, `"cuda_host"`, `"tpu_host"`), or `None` for a value the header
+    /// does not name.
     pub fn name(self) -> Option<&'static str> {
         NAMES.iter().find(|(t, _)| *t == self).map(|(_, n)| *n)
     }
 
-    /// Whether DLPack 1.3 names this device type (1-4 and 7-18).
+    /// Whether the header names this device type (1-4 and 7-21: DLPack 1.3's 1-18, and 19-21
+    /// merged since).
     pub const fn is_known(self) -> bool {
-        matches!(self.0, 1..=4 | 7..=18)
+        matches!(self.0, 1..=4 | 7..=21)
     }
 
-    /// Whether the CPU can read and write this memory directly: plain host memory, CUDA or ROCm
-    /// pinned host memory, and CUDA managed memory.
+    /// Whether the CPU can read and write this memory directly: plain host memory, CUDA, ROCm or
+    /// TPU pinned host memory, and CUDA managed memory.
     pub const fn is_host_accessible(self) -> bool {
-        matches!(self, Self::CPU | Self::CUDA_HOST | Self::ROCM_HOST | Self::CUDA_MANAGED)
+        matches!(self, Self::CPU | Self::CUDA_HOST | Self::ROCM_HOST | Self::CUDA_MANAGED | Self::TPU_HOST)
     }
 
     /// Whether the ordinal is meaningless for this type (host memory kinds print without `:id`).
     const fn is_host_kind(self) -> bool {
-        matches!(self, Self::CPU | Self::CUDA_HOST | Self::ROCM_HOST)
+        matches!(self, Self::CPU | Self::CUDA_HOST | Self::ROCM_HOST | Self::TPU_HOST)
     }
 }
 
@@ -177,14 +184,32 @@ mod tests {
             let d = Device::new(t, 3);
             assert_eq!(d.to_string().parse::<Device>().unwrap(), d);
         }
-        assert_eq!(DeviceType::ALL.len(), 16);
+        assert_eq!(DeviceType::ALL.len(), 19);
         assert_eq!(DeviceType::ALL[15], DeviceType::TRN);
     }
 
     #[test]
+    fn the_device_types_merged_after_1_3_have_the_headers_codes_and_names() {
+        for (t, code, name) in [
+            (DeviceType::TPU, 19, "tpu"),
+            (DeviceType::TPU_HOST, 20, "tpu_host"),
+            (DeviceType::ASCEND, 21, "ascend"),
+        ] {
+            assert_eq!((t.0, t.name(), t.is_known()), (code, Some(name), true));
+            assert_eq!(t.to_string(), name);
+            assert_eq!(name.parse::<Device>().unwrap(), Device::new(t, 0));
+            assert_eq!(format!("{name}:2").parse::<Device>().unwrap(), Device::new(t, 2));
+        }
+        // TPU host memory is pinned host memory, like cuda_host: it prints without its ordinal 0.
+        assert_eq!(Device::new(DeviceType::TPU_HOST, 0).to_string(), "tpu_host");
+        assert_eq!(Device::new(DeviceType::TPU, 0).to_string(), "tpu:0");
+        assert_eq!(Device::new(DeviceType::ASCEND, 1).to_string(), "ascend:1");
+    }
+
+    #[test]
     fn unknown_types_print_their_value_and_bad_names_are_refused() {
-        assert_eq!(Device::new(DeviceType(20), 0).to_string(), "device_type(20):0");
-        assert!(!DeviceType(20).is_known());
+        assert_eq!(Device::new(DeviceType(22), 0).to_string(), "device_type(22):0");
+        assert!(!DeviceType(22).is_known());
         for v in -2..40 {
             assert_eq!(DeviceType(v).is_known(), DeviceType(v).name().is_some(), "{v}");
         }
@@ -199,7 +224,13 @@ mod tests {
         let host: Vec<_> = DeviceType::ALL.iter().filter(|t| t.is_host_accessible()).collect();
         assert_eq!(
             host,
-            [&DeviceType::CPU, &DeviceType::CUDA_HOST, &DeviceType::ROCM_HOST, &DeviceType::CUDA_MANAGED]
+            [
+                &DeviceType::CPU,
+                &DeviceType::CUDA_HOST,
+                &DeviceType::ROCM_HOST,
+                &DeviceType::CUDA_MANAGED,
+                &DeviceType::TPU_HOST
+            ]
         );
     }
 }

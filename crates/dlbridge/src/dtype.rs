@@ -19,8 +19,9 @@ use std::str::FromStr;
 use crate::error::Error;
 use crate::ffi::DLDataType;
 
-/// The DLPack type code: an open `u8` with a named constant for every code of DLPack 1.3
-/// (`TypeCode::FLOAT`, `TypeCode::FLOAT8_E4M3FN`, ...). Unknown codes are representable.
+/// The DLPack type code: an open `u8` with a named constant for every code of DLPack 1.3 and the
+/// ones its header has merged since (`TypeCode::FLOAT`, `TypeCode::FLOAT8_E4M3FN`,
+/// `TypeCode::BCOMPLEX`, ...). Unknown codes are representable.
 pub use crate::ffi::DLDataTypeCode as TypeCode;
 
 /// A DLPack element type: type code, bits per lane and lanes.
@@ -44,12 +45,13 @@ const FIXED_NAMES: [(TypeCode, u8, &str); 11] = [
 ];
 
 /// The codes whose name is a prefix followed by the bit width (`int8`, `complex64`).
-const WIDTH_NAMES: [(TypeCode, &str); 5] = [
+const WIDTH_NAMES: [(TypeCode, &str); 6] = [
     (TypeCode::UINT, "uint"),
     (TypeCode::INT, "int"),
     (TypeCode::BFLOAT, "bfloat"),
     (TypeCode::FLOAT, "float"),
     (TypeCode::COMPLEX, "complex"),
+    (TypeCode::BCOMPLEX, "bcomplex"),
 ];
 
 impl DataType {
@@ -109,9 +111,11 @@ impl DataType {
     pub const FLOAT4_E2M1FN: Self = Self::new(TypeCode::FLOAT4_E2M1FN, 4, 1);
     /// `float4_e2m1fn_x2`: torch's byte holding two fp4 values (code 17, bits 4, lanes 2).
     pub const FLOAT4_E2M1FN_X2: Self = Self::new(TypeCode::FLOAT4_E2M1FN, 4, 2);
+    /// `bcomplex32` (a pair of bfloat16; code 18, `kDLBcomplex`; ml_dtypes' name).
+    pub const BCOMPLEX32: Self = Self::new(TypeCode::BCOMPLEX, 32, 1);
 
     /// Every named standard dtype, in code order.
-    pub const ALL: [Self; 28] = [
+    pub const ALL: [Self; 29] = [
         Self::INT8,
         Self::INT16,
         Self::INT32,
@@ -140,6 +144,7 @@ impl DataType {
         Self::FLOAT6_E3M2FN,
         Self::FLOAT4_E2M1FN,
         Self::FLOAT4_E2M1FN_X2,
+        Self::BCOMPLEX32,
     ];
 
     /// A data type from its three fields; not validated (see [`DataType::validate`]).
@@ -187,7 +192,8 @@ impl DataType {
     }
 
     /// Whether `bits` is one this crate accepts for `code`, lanes is at least 1, and the code is
-    /// known. Float6 must be 6 bits, float4 4, bool and float8 8, bfloat16 16.
+    /// known. Float6 must be 6 bits, float4 4, bool and float8 8, bfloat16 16, bcomplex 32 (the
+    /// header defines `kDLBcomplex` as two bfloat16, so one width only).
     ///
     /// ```
     /// use dlbridge::{DataType, TypeCode};
@@ -242,6 +248,7 @@ const fn allowed_bits(code: TypeCode) -> Option<&'static [u8]> {
         c if c.0 >= TypeCode::FLOAT8_E3M4.0 && c.0 <= TypeCode::FLOAT8_E8M0FNU.0 => &[8],
         TypeCode::FLOAT6_E2M3FN | TypeCode::FLOAT6_E3M2FN => &[6],
         TypeCode::FLOAT4_E2M1FN => &[4],
+        TypeCode::BCOMPLEX => &[32],
         _ => return None,
     })
 }
@@ -450,6 +457,7 @@ mod tests {
             "float6_e3m2fn",
             "float4_e2m1fn",
             "float4_e2m1fn_x2",
+            "bcomplex32",
         ] {
             assert!(names.iter().any(|n| n == expected), "{expected} missing from {names:?}");
         }
@@ -459,8 +467,40 @@ mod tests {
     }
 
     #[test]
+    fn bcomplex_is_two_bfloat16_and_nothing_else() {
+        let t: DataType = "bcomplex32".parse().unwrap();
+        assert_eq!(
+            (t, t.code().0, t.bits(), t.lanes(), t.itemsize()),
+            (DataType::BCOMPLEX32, 18, 32, 1, Some(4))
+        );
+        assert_eq!(t.to_string(), "bcomplex32");
+        assert_eq!("bcomplex32x2".parse::<DataType>().unwrap(), DataType::new(TypeCode::BCOMPLEX, 32, 2));
+        for bits in [16, 64, 128] {
+            let e = DataType::new(TypeCode::BCOMPLEX, bits, 1).validate().unwrap_err();
+            assert_eq!(
+                e,
+                Error::InvalidBits { dtype: DataType::new(TypeCode::BCOMPLEX, bits, 1), allowed: &[32] }
+            );
+        }
+        // The next code is still unknown.
+        assert_eq!(DataType::new(TypeCode(19), 32, 1).validate(), Err(Error::UnknownTypeCode { code: 19 }));
+    }
+
+    #[test]
     fn bad_names_are_refused_with_the_name() {
-        for bad in ["", "float", "float12", "int3", "bfloat32", "floatx", "float32x0", "quux", "float8"] {
+        for bad in [
+            "",
+            "float",
+            "float12",
+            "int3",
+            "bfloat32",
+            "floatx",
+            "float32x0",
+            "quux",
+            "float8",
+            "bcomplex64",
+            "bcomplex16",
+        ] {
             let err = bad.parse::<DataType>().unwrap_err();
             assert!(err.to_string().contains(&format!("{bad:?}")), "{bad}: {err}");
         }

@@ -1,10 +1,13 @@
-//! The raw DLPack 1.3 ABI, exactly as `dlpack.h` declares it.
+//! The raw DLPack 1.3 ABI, exactly as `dlpack.h` declares it, with the enumeration values the
+//! header has merged since the 1.3 tag (still minor version 3: new values keep the ABI): type code
+//! `kDLBcomplex` (18) and device types `kDLTPU` (19), `kDLTPUHost` (20) and `kDLAscend` (21).
 //!
 //! Nothing here validates or interprets anything: these are the C structs, the flag bits and the
 //! function-pointer types of the C exchange API. Values that come from a producer and are C enums
 //! in the header (the device type, the type code) are open integer newtypes, [`DLDeviceType`] and
-//! [`DLDataTypeCode`], so an unknown value (jax sends device type 20) is representable and never
-//! undefined behaviour. Safe code uses [`crate::ManagedTensor`], which validates these structs once.
+//! [`DLDataTypeCode`], so a value this crate does not know (a later header's) is representable and
+//! never undefined behaviour. Safe code uses [`crate::ManagedTensor`], which validates these structs
+//! once.
 //!
 //! Sizes and field offsets are asserted at compile time for 64-bit targets.
 //!
@@ -79,6 +82,13 @@ impl DLDeviceType {
     pub const MAIA: Self = Self(17);
     /// `kDLTrn` (18): AWS Trainium.
     pub const TRN: Self = Self(18);
+    /// `kDLTPU` (19): Google TPU device memory (merged after the 1.3 tag).
+    pub const TPU: Self = Self(19);
+    /// `kDLTPUHost` (20): pinned host memory of a TPU runtime, the TPU's mirror of `kDLCUDAHost`
+    /// (jax's `pinned_host` memory kind; merged after the 1.3 tag).
+    pub const TPU_HOST: Self = Self(20);
+    /// `kDLAscend` (21): Huawei Ascend NPU device memory (merged after the 1.3 tag).
+    pub const ASCEND: Self = Self(21);
 }
 
 /// `DLDevice`: a device type and an ordinal.
@@ -133,6 +143,9 @@ impl DLDataTypeCode {
     pub const FLOAT6_E3M2FN: Self = Self(16);
     /// `kDLFloat4_e2m1fn` (17): `bits` must be 4.
     pub const FLOAT4_E2M1FN: Self = Self(17);
+    /// `kDLBcomplex` (18): complex of two bfloat16, laid out as `kDLComplex` (a compact pair);
+    /// `bits` is the total, 32 (merged after the 1.3 tag).
+    pub const BCOMPLEX: Self = Self(18);
 }
 
 /// `DLDataType`: type code, bits per lane and number of lanes.

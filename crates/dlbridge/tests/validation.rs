@@ -262,9 +262,10 @@ fn null_data_without_elements_is_accepted() {
 
 #[test]
 fn unknown_type_code() {
+    // 18 (kDLBcomplex) is named since the 1.3 tag; 19 is the first code the header leaves free.
     assert_eq!(
-        refuse("dtype.code", |t| t.dtype.code = DLDataTypeCode(18)),
-        Error::UnknownTypeCode { code: 18 }
+        refuse("dtype.code", |t| t.dtype.code = DLDataTypeCode(19)),
+        Error::UnknownTypeCode { code: 19 }
     );
     assert_eq!(
         refuse("dtype.code", |t| t.dtype.code = DLDataTypeCode(255)),
@@ -286,6 +287,8 @@ fn bits_invalid_for_the_code() {
         (DLDataTypeCode::FLOAT8_E4M3FN, 16),
         (DLDataTypeCode::INT, 3),
         (DLDataTypeCode::COMPLEX, 16),
+        (DLDataTypeCode::BCOMPLEX, 16),
+        (DLDataTypeCode::BCOMPLEX, 64),
     ] {
         let e = refuse("dtype.bits", |t| t.dtype = DLDataType { code, bits, lanes: 1 });
         assert!(matches!(e, Error::InvalidBits { .. }), "{e:?}");
@@ -301,9 +304,42 @@ fn zero_lanes() {
 
 #[test]
 fn unknown_device_type() {
-    for v in [0, 5, 6, 19, 20, -1, i32::MAX] {
+    // 19-21 (TPU, TPU host, Ascend) are named since the 1.3 tag; 22 is the first type left free.
+    for v in [0, 5, 6, 22, 23, -1, i32::MAX] {
         let e = refuse("device.device_type", |t| t.device.device_type = DLDeviceType(v));
         assert_eq!(e, Error::UnknownDeviceType { device_type: v });
+    }
+}
+
+#[test]
+fn codes_merged_into_the_header_after_1_3_are_accepted() {
+    let accept = |edit: &dyn Fn(&mut DLTensor)| {
+        let (p, deleted) = fake_versioned(|m| edit(&mut m.dl_tensor));
+        // SAFETY: a live fake tensor.
+        let t = unsafe { ManagedTensor::from_raw_versioned(p) }.unwrap();
+        (t, deleted)
+    };
+    // kDLBcomplex: two bfloat16, 32 bits (the fake's 24 bytes hold its 2x3 elements).
+    let (t, deleted) =
+        accept(&|t| t.dtype = DLDataType { code: DLDataTypeCode::BCOMPLEX, bits: 32, lanes: 1 });
+    assert_eq!(
+        (t.dtype(), t.dtype().to_string(), t.nbytes()),
+        (DataType::BCOMPLEX32, "bcomplex32".into(), 24)
+    );
+    assert_eq!(t.to_contiguous().unwrap().dtype(), DataType::BCOMPLEX32);
+    drop(t);
+    assert_eq!(deleted.load(Ordering::SeqCst), 1);
+    // kDLTPUHost is pinned host memory (the header's mirror of kDLCUDAHost): the CPU reads it.
+    let (t, _) = accept(&|t| t.device = DLDevice { device_type: DLDeviceType::TPU_HOST, device_id: 0 });
+    assert_eq!((t.device().to_string(), t.is_host_accessible()), ("tpu_host".into(), true));
+    assert_eq!(t.as_slice::<f32>().unwrap(), [0.0; 6]);
+    // kDLTPU and kDLAscend are device memory: accepted, named, never read from the host.
+    for (dt, name) in [(DLDeviceType::TPU, "tpu:1"), (DLDeviceType::ASCEND, "ascend:1")] {
+        let (t, deleted) = accept(&|t| t.device = DLDevice { device_type: dt, device_id: 1 });
+        assert_eq!((t.device().to_string(), t.is_host_accessible()), (name.into(), false));
+        assert!(t.as_slice::<f32>().is_err() && t.get::<f32>(&[0, 0]).is_err());
+        drop(t);
+        assert_eq!(deleted.load(Ordering::SeqCst), 1);
     }
 }
 

@@ -181,7 +181,7 @@ def test_module_constants() -> None:
     assert repr(dlbridge.bfloat16) == "dlbridge.bfloat16" and str(dlbridge.float8_e4m3fn) == "float8_e4m3fn"
     assert dlbridge.float4_e2m1fn_x2.lanes == 2
     assert {m.name: int(m) for m in dlbridge.DeviceType}["TRN"] == 18
-    assert len(dlbridge.DeviceType) == 16
+    assert len(dlbridge.DeviceType) == 19
     assert str(dlbridge.Device("cuda:1")) == "cuda:1" and dlbridge.Device(2, 1) == dlbridge.Device("cuda:1")
     assert dlbridge.Device("cpu").__dlpack_device__() == (1, 0)
     with pytest.raises(ValueError, match="float12"):

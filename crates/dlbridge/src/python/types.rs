@@ -182,8 +182,9 @@ impl PyDevice {
     }
 }
 
-/// The names of the `DeviceType` members, by code (the array API's names where it has one).
-const DEVICE_TYPE_NAMES: [(i32, &str); 16] = [
+/// The names of the `DeviceType` members, by code (the array API's names where it has one; 19-21
+/// were merged into the header after DLPack 1.3).
+const DEVICE_TYPE_NAMES: [(i32, &str); 19] = [
     (1, "CPU"),
     (2, "CUDA"),
     (3, "CUDA_HOST"),
@@ -200,6 +201,9 @@ const DEVICE_TYPE_NAMES: [(i32, &str); 16] = [
     (16, "HEXAGON"),
     (17, "MAIA"),
     (18, "TRN"),
+    (19, "TPU"),
+    (20, "TPU_HOST"),
+    (21, "ASCEND"),
 ];
 
 /// The `dlbridge.DeviceType` IntEnum and its members indexed by code, made once per interpreter.
@@ -219,7 +223,8 @@ fn device_types(py: Python<'_>) -> PyResult<&DeviceTypes> {
         let kwargs = PyDict::new(py);
         kwargs.set_item("module", "dlbridge")?;
         let enum_type = py.import("enum")?.getattr("IntEnum")?.call(("DeviceType", pairs), Some(&kwargs))?;
-        let mut members: Vec<Option<Py<PyAny>>> = (0..19).map(|_| None).collect();
+        let last = DEVICE_TYPE_NAMES[DEVICE_TYPE_NAMES.len() - 1].0 as usize;
+        let mut members: Vec<Option<Py<PyAny>>> = (0..=last).map(|_| None).collect();
         for (code, name) in DEVICE_TYPE_NAMES {
             members[code as usize] = Some(enum_type.getattr(name)?.unbind());
         }
@@ -232,7 +237,7 @@ pub fn device_type_enum(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     Ok(device_types(py)?.enum_type.bind(py).clone())
 }
 
-/// The `DeviceType` member for `t` (a plain int for a type DLPack 1.3 does not name).
+/// The `DeviceType` member for `t` (a plain int for a type the header does not name).
 pub fn device_type_member(py: Python<'_>, t: DeviceType) -> PyResult<Bound<'_, PyAny>> {
     let m = usize::try_from(t.0).ok().and_then(|i| device_types(py).ok()?.members.get(i)?.as_ref());
     match m {
