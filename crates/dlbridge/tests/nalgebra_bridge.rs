@@ -70,7 +70,12 @@ fn refusals_name_what_is_wrong() {
     assert!(b.as_dvector_mut::<i32>().unwrap_err().to_string().contains("writable"));
     let shared: Arc<[f32]> = Arc::from(vec![0.0; 4]);
     let mut ro = ManagedTensor::from_host(shared, &[2, 2]).unwrap();
-    assert!(ro.as_dmatrix_mut::<f32>().unwrap_err().to_string().contains("float32 writable host tensor"));
+    assert!(
+        ro.as_dmatrix_mut::<f32>()
+            .unwrap_err()
+            .to_string()
+            .contains("expected writable float32 cpu tensor, got read-only float32")
+    );
 }
 
 #[test]
@@ -108,4 +113,32 @@ fn dmatrix_and_dvector_export_without_copy() {
     assert_eq!(e.as_slice::<f64>().unwrap().as_ptr(), ptr);
     let empty = ManagedTensor::from_dmatrix(DMatrix::<f32>::zeros(0, 3)).unwrap();
     assert_eq!(empty.as_dmatrix::<f32>().unwrap().view().shape(), (0, 3));
+}
+
+/// nalgebra's product takes its loop count from a strided column's memory span
+/// (dimforge/nalgebra#1616): a row-major view as the left operand makes it write past the result
+/// (not tested here: it is undefined behaviour). The documented workarounds, checked under Miri: an
+/// owned column-major copy (by indexing, or from the tensor's slice), a column-major view on the
+/// left, a row-major view on the right.
+#[test]
+fn products_over_views_with_the_documented_workarounds() {
+    let t = ManagedTensor::from_vec((0..6).map(f64::from).collect(), &[2, 3]).unwrap();
+    let b = DMatrix::from_column_slice(3, 2, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    let want = DMatrix::from_row_slice(2, 2, &[8.0, 17.0, 26.0, 62.0]);
+    let g = t.as_dmatrix::<f64>().unwrap();
+    let v = g.view();
+    let by_index = DMatrix::from_fn(v.nrows(), v.ncols(), |i, j| v[(i, j)]);
+    assert_eq!(&by_index * &b, want);
+    let from_slice = DMatrix::from_row_slice(2, 3, &t.as_slice::<f64>().unwrap());
+    assert_eq!(&from_slice * &b, want);
+    // The same matrix stored column-major (a Fortran-ordered tensor): row stride 1, safe on the left.
+    let f =
+        ManagedTensor::from_host_strided(vec![0.0f64, 3.0, 1.0, 4.0, 2.0, 5.0], &[2, 3], &[1, 2], 0).unwrap();
+    let fg = f.as_dmatrix::<f64>().unwrap();
+    assert_eq!(fg.view().strides(), (1, 2));
+    assert_eq!(fg.view() * &b, want);
+    // A row-major view on the right is read by index, element by element.
+    let bt = ManagedTensor::from_vec(vec![1.0f64, 4.0, 2.0, 5.0, 3.0, 6.0], &[3, 2]).unwrap();
+    let bg = bt.as_dmatrix::<f64>().unwrap();
+    assert_eq!(&by_index * bg.view(), want);
 }

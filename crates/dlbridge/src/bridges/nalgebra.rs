@@ -5,11 +5,38 @@
 //! nalgebra's strides are unsigned, so a tensor with a negative stride (a reversed axis) is
 //! refused with an error that says so (copy it with [`ManagedTensor::to_contiguous`] first).
 //!
-//! Known in nalgebra 0.34 itself: its element iterator (behind `==`, `sum`, `iter`, `add_scalar`)
-//! computes with `ptr.add` an address one row stride past each column's last element, which lies
-//! outside the allocation for a row-major view or a strided vector. Miri reports this as undefined
-//! behaviour in nalgebra for views nalgebra makes from a slice too; the address is never read.
-//! Indexing and the views themselves are unaffected.
+//! Known in nalgebra 0.34 itself: its element iterator (behind `==`, `sum`, `iter`, `add_scalar`,
+//! `clone_owned`) computes with `ptr.add` an address one row stride past each column's last
+//! element, which lies outside the allocation for a row-major view or a strided vector. Miri reports
+//! this as undefined behaviour in nalgebra for views nalgebra makes from a slice too; the address is
+//! never read. Indexing and the views themselves are unaffected.
+//!
+//! Also in nalgebra (0.34 and 0.35, [dimforge/nalgebra#1616]): the matrix product (`*`, `gemm`,
+//! `gemv`, `mul_to`) and `axpy`/`axcpy` take their loop count from the memory span of a strided
+//! column, not from its length. With a row-major view (any row stride above 1) as the **left**
+//! operand of a product, or a strided vector as the `x` of `axpy`, nalgebra writes past the end of
+//! the result column: a heap overflow inside nalgebra, reached from safe code (debug builds stop at
+//! the standard library's `get_unchecked_mut` check instead). Views as the right operand, column-major
+//! views (row stride 1, as from a Fortran-ordered tensor) and indexing are unaffected. Workaround:
+//! give nalgebra a column-major operand, an owned copy made by indexing or from the tensor's slice
+//! (not `clone_owned`/`into_owned`, which iterate):
+//!
+//! ```
+//! # use dlbridge::ManagedTensor;
+//! # use nalgebra::DMatrix;
+//! let t = ManagedTensor::from_vec(vec![0.0f64, 1.0, 2.0, 3.0, 4.0, 5.0], &[2, 3]).unwrap(); // row-major
+//! let b = DMatrix::from_column_slice(3, 2, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+//! let g = t.as_dmatrix::<f64>().unwrap();
+//! let v = g.view();
+//! // Not `v * &b` (nalgebra#1616): copy into a column-major DMatrix first...
+//! let a = DMatrix::from_fn(v.nrows(), v.ncols(), |i, j| v[(i, j)]);
+//! assert_eq!(&a * &b, DMatrix::from_row_slice(2, 2, &[8.0, 17.0, 26.0, 62.0]));
+//! // ...or, for a C-contiguous tensor, straight from its slice.
+//! let a = DMatrix::from_row_slice(2, 3, &t.as_slice::<f64>().unwrap());
+//! assert_eq!(&a * &b, DMatrix::from_row_slice(2, 2, &[8.0, 17.0, 26.0, 62.0]));
+//! ```
+//!
+//! [dimforge/nalgebra#1616]: https://github.com/dimforge/nalgebra/issues/1616
 //!
 //! ```
 //! use dlbridge::ManagedTensor;
