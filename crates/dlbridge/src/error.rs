@@ -124,7 +124,15 @@ pub enum Error {
         /// Whether exclusive (mutable) access was asked for.
         exclusive: bool,
     },
-    /// A tensor that is not what a typed view or an operation needs.
+    /// Mutable access the producer's own rules refuse for this tensor (torch: an in-place write
+    /// into a leaf that requires grad while grad mode is on).
+    WriteRefused {
+        /// The field or state that refuses it (`"requires_grad"`).
+        field: &'static str,
+        /// Why, and what to do instead.
+        reason: String,
+    },
+        /// A tensor that is not what a typed view or an operation needs.
     Incompatible {
         /// What was needed ("float32 C-contiguous host tensor").
         expected: String,
@@ -201,6 +209,7 @@ impl fmt::Display for Error {
                  over the same memory is alive)",
                 if *exclusive { "(mutable access needs it alone)" } else { "mutably" }
             ),
+            Self::WriteRefused { field, reason } => write!(f, "{field}: {reason}"),
         }
     }
 }

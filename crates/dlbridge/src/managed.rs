@@ -63,12 +63,14 @@ impl Raw {
 /// calling it: [`PendingDeleter::run`] calls it (once, since it consumes the value); dropping it
 /// unrun leaks the producer's tensor, never frees it twice.
 #[must_use = "dropping a PendingDeleter leaks the tensor; call run()"]
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) struct PendingDeleter(Raw);
 
 // SAFETY: it owns the managed struct exclusively (moved out of a dropped ManagedTensor, which is
 // Send), and DLPack deleters may be called from any thread.
 unsafe impl Send for PendingDeleter {}
 
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 impl PendingDeleter {
     /// Calls the producer's deleter, on this thread.
     pub(crate) fn run(self) {
@@ -82,6 +84,7 @@ impl PendingDeleter {
 /// runs the [`PendingDeleter`] (at once or later, on any thread) or leaks it. A layer that knows
 /// when a producer's deleter may block installs one (the Python layer: deleters that may take
 /// the GIL must not run on a thread without it while another thread may wait for this one).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) type DeleterGate = fn(PendingDeleter);
 
 /// An owned, validated DLPack tensor (legacy or versioned), whose producer's deleter runs exactly

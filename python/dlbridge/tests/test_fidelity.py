@@ -95,13 +95,45 @@ def test_torch_table_failures_are_torchs_buffer_errors(layout) -> None:
 
 
 @hooks
-def test_tensors_that_require_grad_are_refused_on_every_path() -> None:
+def test_tensors_that_require_grad_follow_each_paths_rule() -> None:
+    # Owned imports follow torch's __dlpack__ (refused: "use tensor.detach()"); a borrowed view is a
+    # kernel argument, and kernel ABIs take it (tvm-ffi through torch's exchange table, nanobind
+    # through torch.utils.dlpack.to_dlpack): reading harms nothing, while an in-place write into a
+    # leaf that requires grad is what torch itself refuses, outside torch.no_grad().
     torch = need("torch")
-    x = torch.ones(3, requires_grad=True)
-    for f in (dlbridge.from_dlpack, dlbridge.asdlpack, dlbridge._dlbridge._view):
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    for f in (dlbridge.from_dlpack, dlbridge.asdlpack):
         with pytest.raises(BufferError, match="detach"):
             f(x)
+    ptr, shape, _strides, dtype, _ro = dlbridge._dlbridge._view(x)
+    assert (ptr, shape, dtype) == (x.data_ptr(), [3], "float64")
+    with pytest.raises(TypeError, match="requires_grad: a leaf tensor that requires grad"):
+        dlbridge._dlbridge._view_add(x, 1.0)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        x.add_(1.0)  # torch's own rule, for comparison
     assert x.grad is None and x.tolist() == [1.0, 1.0, 1.0]
+    with torch.no_grad():
+        dlbridge._dlbridge._view_add(x, 1.0)  # allowed, as torch allows x.add_(1) here
+    assert x.tolist() == [2.0, 2.0, 2.0]
+    y = x * 1  # not a leaf: torch allows in-place writes, so does a view
+    dlbridge._dlbridge._view_add(y, 1.0)
+    assert y.tolist() == [3.0, 3.0, 3.0] and x.tolist() == [2.0, 2.0, 2.0]
+
+
+@hooks
+def test_a_typed_mutable_argument_follows_torchs_in_place_rule() -> None:
+    torch = need("torch")
+    probe = dlbridge._dlbridge._typed_mut_probe
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match="requires_grad: a leaf tensor that requires grad") as e:
+        probe(w)
+    assert "_x" in str(e.value) or any("_x" in n for n in getattr(e.value, "__notes__", [])), e.value
+    v = w._version
+    with torch.no_grad():
+        probe(w)  # allowed, and the write is announced to autograd
+    assert w._version == v + 1
+    probe(w * 2)  # a non-leaf may be written, as torch's in-place operations may
+    probe(torch.ones(3, dtype=torch.float64))
 
 
 def test_lazily_negated_real_tensors_are_refused() -> None:

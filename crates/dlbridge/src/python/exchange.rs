@@ -53,6 +53,7 @@ pub struct ExchangeApi {
 #[derive(Clone, Copy)]
 pub(crate) struct TorchState {
     requires_grad: Option<Getter>,
+    is_leaf: Option<Getter>,
     is_neg: Option<Method>,
     is_conj: Option<Method>,
 }
@@ -183,8 +184,9 @@ impl TorchState {
     }
 
     /// What identifies a set of accessors (their C entry points).
-    fn key(&self) -> [usize; 6] {
-        let g = self.requires_grad.map_or((0, 0), |g| (g.get as usize, g.closure as usize));
+    fn key(&self) -> [usize; 8] {
+        let getter = |g: Option<Getter>| g.map_or((0, 0), |g| (g.get as usize, g.closure as usize));
+        let (g, l) = (getter(self.requires_grad), getter(self.is_leaf));
         let m = |m: Option<Method>| {
             m.map_or((0, 0), |m| {
                 // SAFETY: every field of the union is a function pointer of the same size; read as
@@ -194,7 +196,7 @@ impl TorchState {
             })
         };
         let (n, c) = (m(self.is_neg), m(self.is_conj));
-        [g.0, g.1, n.0, n.1, c.0, c.1]
+        [g.0, g.1, l.0, l.1, n.0, n.1, c.0, c.1]
     }
 
     fn find(ty: &Bound<'_, pyo3::types::PyType>) -> Option<Self> {
@@ -205,18 +207,57 @@ impl TorchState {
         }
         Some(Self {
             requires_grad: Getter::of(ty, rg),
+            is_leaf: Getter::of(ty, intern!(py, "is_leaf")),
             is_neg: Method::of(ty, neg),
             is_conj: Method::of(ty, conj),
         })
     }
 
     fn requires_grad(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let r = match &self.requires_grad {
+        Self::get(self.requires_grad.as_ref(), obj, intern!(obj.py(), "requires_grad"))
+    }
+
+    fn get(getter: Option<&Getter>, obj: &Bound<'_, PyAny>, name: &Bound<'_, pyo3::types::PyString>) -> PyResult<bool> {
+        let r = match getter {
             Some(g) => g.call(obj)?,
-            None => obj.getattr(intern!(obj.py(), "requires_grad"))?,
+            None => obj.getattr(name)?,
         };
         // SAFETY: comparing with the True singleton.
         Ok(r.as_ptr() == unsafe { ffi::Py_True() })
+    }
+
+    /// What torch refuses of an in-place write, refused of a kernel's mutable access too: writing
+    /// into a leaf that requires grad while grad mode is on ("a leaf Variable that requires grad
+    /// is being used in an in-place operation"). Under `torch.no_grad()` torch allows it (that is
+    /// how optimizers update parameters), and so does this; a non-leaf that requires grad may be
+    /// written, as torch's in-place operations may (the version counter, bumped by `TensorMut`,
+    /// makes a backward through an overwritten saved value fail in torch). One getter call when
+    /// the tensor does not require grad.
+    pub(crate) fn refuse_grad_leaf_write(&self, obj: &Bound<'_, PyAny>) -> crate::Result<()> {
+        let py = obj.py();
+        let refused = |reason: String| crate::Error::WriteRefused { field: "requires_grad", reason };
+        let leaf_requiring_grad = self.requires_grad(obj).and_then(|rg| {
+            Ok(rg && Self::get(self.is_leaf.as_ref(), obj, intern!(py, "is_leaf"))?)
+        });
+        // A getter that raises (a torch function mode may run Python there) refuses the write too,
+        // with its own words.
+        let leaf = leaf_requiring_grad.map_err(|e| refused(format!("could not be read: {e}")))?;
+        if !leaf {
+            return Ok(());
+        }
+        static GRAD_ENABLED: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+        let enabled = GRAD_ENABLED
+            .get_or_try_init(py, || py.import("torch")?.getattr("is_grad_enabled").map(Bound::unbind))
+            .and_then(|f| f.bind(py).call0()?.is_truthy());
+        match enabled {
+            Ok(false) => Ok(()),
+            Ok(true) => Err(refused(
+                "a leaf tensor that requires grad cannot be written in place (torch refuses it too); \
+                 write under torch.no_grad(), or pass a tensor that does not require grad"
+                    .into(),
+            )),
+            Err(e) => Err(refused(format!("grad mode could not be read: {e}"))),
+        }
     }
 
     fn call(
@@ -392,6 +433,11 @@ impl ExchangeApi {
         Ok(Ok(mt))
     }
 
+    /// The type's torch state accessors, if it has them (see [`TorchState`]).
+    pub(crate) fn torch_state(&self) -> Option<&'static TorchState> {
+        self.torch_state
+    }
+
     /// The table's borrowed `DLTensor` of `obj` (valid while `obj` lives and its metadata is not
     /// changed, so read it at once), or `Ok(None)` when the table has no
     /// `dltensor_from_py_object_no_sync`; `TypeError` unless `obj` is exactly of the table's type.
@@ -402,9 +448,10 @@ impl ExchangeApi {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
         }
-        if let Some(state) = self.torch_state {
-            refuse_requires_grad(obj, state)?;
-        }
+        // No requires_grad refusal: a borrowed view is what kernel ABIs take (tvm-ffi through this
+        // very table, nanobind through torch.utils.dlpack.to_dlpack), and reading a tensor that
+        // requires grad harms nothing; writing into a leaf that does is refused where mutable
+        // access is asked for (TorchState::refuse_grad_leaf_write).
         let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
         let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
         // SAFETY: a live object of exactly the table's type, the GIL held, a writable DLTensor.

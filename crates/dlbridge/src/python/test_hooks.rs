@@ -26,6 +26,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_from_vec_like, m)?)?;
     m.add_function(wrap_pyfunction!(_current_work_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_table_allocate, m)?)?;
     m.add_class::<HostileBuffer>()?;
     // PyO3 lists every added function in `__all__`; hooks are private, so take them out again.
@@ -256,6 +257,11 @@ fn _typed_probe(
 ) -> Vec<i64> {
     x.shape().to_vec()
 }
+
+/// Converts `x` as a `TensorMut<f64, Rank<1>, C>` and does nothing with it: the conversion's own
+/// checks and effects (torch's write rules, the version bump).
+#[pyfunction]
+fn _typed_mut_probe(_x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::spec::C>) {}
 
 /// float32 memory of `shape` on `device` from the exchange table of `like`'s type (its
 /// allocator), as a dlbridge Tensor.

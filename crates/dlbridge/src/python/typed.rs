@@ -276,9 +276,9 @@ common!(TensorMut, WRITE, true);
 /// `torch._C._increment_version` (about 2 us here) per torch `TensorMut`; nothing for other types.
 fn bump_torch_version(obj: &Borrowed<'_, '_, PyAny>) -> PyResult<()> {
     let py = obj.py();
-    if super::cache::type_info(&obj.get_type())?.torch.is_none() {
-        return Ok(());
-    }
+    let Some(state) = super::cache::type_info(&obj.get_type())?.torch else { return Ok(()) };
+    // What torch refuses of an in-place write is refused here, at conversion (the argument named).
+    state.refuse_grad_leaf_write(obj)?;
     static BUMP: pyo3::sync::PyOnceLock<Option<Py<PyAny>>> = pyo3::sync::PyOnceLock::new();
     let bump = BUMP.get_or_init(py, || {
         py.import("torch")

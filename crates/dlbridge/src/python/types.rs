@@ -13,7 +13,8 @@ use crate::error::Error;
 impl From<Error> for PyErr {
     /// Validation refusals (what cannot be imported or exported) become `BufferError`; bad names and
     /// buffer/layout mismatches `ValueError`; a tensor of the wrong kind for an operation or a
-    /// kernel's stated requirements ([`Error::Mismatch`]) `TypeError`.
+    /// kernel's stated requirements ([`Error::Mismatch`]) or a write the producer refuses
+    /// ([`Error::WriteRefused`]) `TypeError`.
     fn from(e: Error) -> PyErr {
         let msg = e.to_string();
         exception(&e, msg)
@@ -26,7 +27,7 @@ fn exception(e: &Error, msg: String) -> PyErr {
         Error::UnknownDtypeName { .. } | Error::UnknownDeviceName { .. } | Error::BufferMismatch { .. } => {
             PyValueError::new_err(msg)
         }
-        Error::Incompatible { .. } | Error::Mismatch(_) => PyTypeError::new_err(msg),
+        Error::Incompatible { .. } | Error::Mismatch(_) | Error::WriteRefused { .. } => PyTypeError::new_err(msg),
         _ => PyBufferError::new_err(msg),
     }
 }

@@ -60,6 +60,9 @@ pub struct TensorView<'a> {
     borrow: Option<NonNull<Borrow>>,
     /// The object viewed, alive for 'a (borrowed, no reference count).
     source: NonNull<ffi::PyObject>,
+    /// torch's state accessors when the view came through torch's exchange table: its rule on
+    /// in-place writes is checked when mutable access is asked for.
+    torch: Option<&'static super::exchange::TorchState>,
     _source: PhantomData<&'a ()>,
     _not_send: PhantomData<*const ()>,
 }
@@ -72,9 +75,28 @@ impl Deref for TensorView<'_> {
 }
 
 impl TensorView<'_> {
-    /// The elements as a mutable slice (see [`ManagedTensor::as_slice_mut`]).
+    /// The elements as a mutable slice (see [`ManagedTensor::as_slice_mut`]). A torch leaf tensor
+    /// that requires grad is refused while grad mode is on, as torch refuses an in-place write
+    /// ([`crate::Error::WriteRefused`]); reading it is fine.
     pub fn as_slice_mut<T: crate::Element>(&mut self) -> crate::Result<crate::SliceMut<'_, T>> {
+        self.check_producer_write_rules()?;
         self.tensor.as_slice_mut()
+    }
+
+    /// The producer's own rules on in-place writes (torch: no write into a leaf that requires
+    /// grad while grad mode is on); nothing to check for other producers.
+    pub(crate) fn check_producer_write_rules(&self) -> crate::Result<()> {
+        let Some(state) = self.torch else { return Ok(()) };
+        if !super::release::attached_here() {
+            return Err(crate::Error::WriteRefused {
+                field: "requires_grad",
+                reason: "mutable access to a torch tensor is asked for with the GIL held (it reads requires_grad)"
+                    .into(),
+            });
+        }
+        // SAFETY: this thread holds the GIL (checked just above).
+        let py = unsafe { Python::assume_attached() };
+        state.refuse_grad_leaf_write(&self.object(py))
     }
 
     /// The tensor, mutably, for the typed guards (never handed out: a borrowed tensor moved out
@@ -86,6 +108,7 @@ impl TensorView<'_> {
     /// A mutable ndarray view (see [`ManagedTensor::as_array_mut`]).
     #[cfg(feature = "ndarray")]
     pub fn as_array_mut<T: crate::Element>(&mut self) -> crate::Result<crate::ndarray::ArrayGuardMut<'_, T>> {
+        self.check_producer_write_rules()?;
         self.tensor.as_array_mut()
     }
 }
@@ -141,6 +164,7 @@ impl<'a> TensorView<'a> {
     >(
         self,
     ) -> crate::Result<super::TensorMut<'a, T, S, O, D>> {
+        self.check_producer_write_rules()?;
         super::TensorMut::new(self)
     }
 
@@ -228,7 +252,7 @@ impl<'a> TensorView<'a> {
 
     #[inline(always)]
     fn with(tensor: ManagedTensor, borrow: Option<NonNull<Borrow>>, source: NonNull<ffi::PyObject>) -> Self {
-        Self { tensor, borrow, source, _source: PhantomData, _not_send: PhantomData }
+        Self { tensor, borrow, source, torch: None, _source: PhantomData, _not_send: PhantomData }
     }
 
     /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
@@ -292,7 +316,9 @@ impl<'a> TensorView<'a> {
                             return Err(e.into());
                         }
                     }
-                    return Self::from_borrow(b, Flags::NONE, source);
+                    let mut view = Self::from_borrow(b, Flags::NONE, source)?;
+                    view.torch = api.torch_state();
+                    return Ok(view);
                 }
                 // Device memory needs stream handling: the protocol path below.
                 Ok(_) => {}
