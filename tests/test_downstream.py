@@ -145,6 +145,17 @@ def test_the_readmes_rust_blocks_build_as_written(tmp_path):
         assert str(e.value) == "expected writable float32 cpu tensor, got read-only float32 (3,) on cpu"
         if sys.version_info >= (3, 11):
             assert e.value.__notes__ == ["while processing 't'"]
+        try:
+            import dlbridge_scale  # examples/scale: the same kernel over an untyped ManagedTensor
+        except ImportError:
+            pass
+        else:
+            with pytest.raises(TypeError) as untyped:
+                dlbridge_scale.scale_f32(ro, 2.0)
+            assert str(untyped.value) == str(e.value)  # one wording on both paths
+        with pytest.raises(TypeError) as e:
+            my_ext.scale_f32([1.0, 2.0], 2.0)
+        assert str(e.value).startswith("expected an array (an object with __dlpack__ or the buffer protocol), got list")
 
         x, y = np.arange(3, dtype=np.float32), np.ones(3, np.float32)
         assert my_kernels.saxpy_(2.0, x, y) is y and y.tolist() == [1.0, 3.0, 5.0]

@@ -158,18 +158,54 @@ pub struct Mismatch {
 impl fmt::Display for Mismatch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "expected {}, got ", self.expected)?;
-        if self.read_only && self.expected.writable {
-            f.write_str("read-only ")?;
+        write_found(
+            f,
+            (self.dtype, &self.shape, &self.strides, self.device),
+            self.read_only && self.expected.writable,
+            self.field == Field::Writable && !self.read_only,
+        )
+    }
+}
+
+/// What a refusal says it got: `read-only float32 (3, 4) strides (1, 3) on cpu` (the read-only
+/// mark where writing was asked; strides only where they are not the compact row-major ones). The
+/// one wording of every typed refusal: typed arguments, the untyped accessors, the bridges' views.
+fn write_found(
+    f: &mut fmt::Formatter<'_>,
+    (dtype, shape, strides, device): (DataType, &[i64], &[i64], Device),
+    read_only: bool,
+    overlap: bool,
+) -> fmt::Result {
+    if read_only {
+        f.write_str("read-only ")?;
+    }
+    write!(f, "{dtype} {}", tuple(shape))?;
+    if !crate::layout::is_c_contiguous(shape, strides) {
+        write!(f, " strides {}", tuple(strides))?;
+        if overlap {
+            f.write_str(" (elements overlap)")?;
         }
-        write!(f, "{} {}", self.dtype, tuple(&self.shape))?;
-        // Strides are shown when they are not the compact row-major ones.
-        if !crate::layout::is_c_contiguous(&self.shape, &self.strides) {
-            write!(f, " strides {}", tuple(&self.strides))?;
-            if self.field == Field::Writable && !self.read_only {
-                f.write_str(" (elements overlap)")?;
+    }
+    write!(f, " on {device}")
+}
+
+impl ManagedTensor {
+    /// This tensor as a refusal words what it got ([`Mismatch`]'s words), the read-only mark
+    /// shown where `writing` was asked.
+    pub(crate) fn found(&self, writing: bool) -> String {
+        struct Found<'a>(&'a ManagedTensor, bool);
+        impl fmt::Display for Found<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let t = self.0;
+                write_found(
+                    f,
+                    (t.dtype(), t.shape(), t.strides(), t.device()),
+                    self.1 && t.is_read_only(),
+                    false,
+                )
             }
         }
-        write!(f, " on {}", self.device)
+        Found(self, writing).to_string()
     }
 }
 

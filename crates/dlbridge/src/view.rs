@@ -15,7 +15,7 @@
 //! t.as_slice_mut::<i32>().unwrap()[0] = 10; // the guard (and its lease) ends with the statement
 //! assert_eq!(t.get::<i32>(&[0, 0]).unwrap(), 10);
 //! let err = t.as_slice::<f32>().unwrap_err().to_string();
-//! assert_eq!(err, "expected float32 C-contiguous host tensor, got int32 shape (2, 2) strides (2, 1) on cpu");
+//! assert_eq!(err, "expected float32 C-contiguous cpu tensor, got int32 (2, 2) on cpu");
 //! ```
 
 use std::fmt;
@@ -27,7 +27,7 @@ use crate::error::{Error, Result, tuple};
 use crate::export::AlignedBuffer;
 use crate::layout;
 use crate::managed::ManagedTensor;
-use crate::spec::Order;
+use crate::spec::{DeviceKind, Order, Spec};
 
 /// A shared slice of a tensor's elements ([`ManagedTensor::as_slice`]): derefs to `[T]` and
 /// holds a shared lease on the memory (see [`crate::borrow`]) until it drops.
@@ -90,7 +90,7 @@ impl<T: PartialEq, R: AsRef<[T]> + ?Sized> PartialEq<R> for SliceMut<'_, T> {
 
 impl ManagedTensor {
     fn refuse(&self, expected: String) -> Error {
-        Error::Incompatible { expected, found: self.describe() }
+        Error::Incompatible { found: self.found(expected.starts_with("writable ")), expected }
     }
 
     /// Registers the byte range this tensor's elements span (nothing for an empty or non-host
@@ -117,21 +117,17 @@ impl ManagedTensor {
         Lease::acquire(base.wrapping_add_signed(lo), base.wrapping_add_signed(hi), exclusive)
     }
 
+    /// What a typed view of `T` over host memory needs, as the [`Spec`] a typed argument states:
+    /// refusals of the untyped accessors and of typed arguments are worded by one formatter
+    /// ([`crate::spec::Mismatch`]).
+    fn typed_spec<T: Element>(order: Order, write: bool) -> Spec {
+        Spec { dtype: Some(T::DTYPE), order, device: DeviceKind::Cpu, writable: write, ..Spec::ANY }
+    }
+
     /// Checks what a typed view needs: host memory, dtype `T`, compact in `order` (C or F; none
     /// for [`Order::Any`]), writability (if `write`), alignment, and valid bytes for `T`.
     fn check_typed<T: Element>(&self, order: Order, write: bool) -> Result<()> {
-        let need = || {
-            format!(
-                "{}{}{} host tensor",
-                T::DTYPE,
-                match order {
-                    Order::C => " C-contiguous",
-                    Order::F => " F-contiguous",
-                    Order::Any => "",
-                },
-                if write { " writable" } else { "" }
-            )
-        };
+        let spec = Self::typed_spec::<T>(order, write);
         let compact = match order {
             Order::C => self.is_c_contiguous(),
             Order::F => self.is_f_contiguous(),
@@ -142,11 +138,12 @@ impl ManagedTensor {
             && compact
             && !(write && self.is_read_only());
         if !ok {
-            return Err(self.refuse(need()));
+            // The first failed field, worded as a typed argument's refusal.
+            return Err(self.check(&spec).err().unwrap_or_else(|| self.refuse(spec.to_string())));
         }
         if self.numel() > 0 && !self.data_ptr().cast::<T>().is_aligned() {
             return Err(Error::Incompatible {
-                expected: format!("{} aligned to {} bytes", need(), align_of::<T>()),
+                expected: format!("{spec} aligned to {} bytes", align_of::<T>()),
                 found: format!("data at {:p}", self.data_ptr()),
             });
         }
@@ -213,14 +210,21 @@ impl ManagedTensor {
         Ok(SliceMut { slice, _lease: lease })
     }
 
-    /// The refusal of a typed strided view (ndarray, faer, nalgebra, ...): "expected float32
-    /// writable host tensor{what}, got ...".
+    /// The refusal of a typed strided view (ndarray, faer, nalgebra, ...): "expected writable
+    /// float32 cpu tensor{what}, got ...", as a typed argument words it.
     #[cfg_attr(
         not(any(feature = "ndarray", feature = "faer", feature = "nalgebra", feature = "arrow")),
         allow(dead_code)
     )]
     pub(crate) fn refuse_view<T: Element>(&self, write: bool, what: &str) -> Error {
-        self.refuse(format!("{}{} host tensor{what}", T::DTYPE, if write { " writable" } else { "" }))
+        let spec = Self::typed_spec::<T>(Order::Any, write);
+        if what.is_empty() {
+            // dtype, device or read-only: worded as a typed argument's refusal.
+            if let Err(e) = self.check(&spec) {
+                return e;
+            }
+        }
+        self.refuse(format!("{spec}{what}"))
     }
 
     /// The one check-and-lease path of every typed strided view over this tensor (the ndarray,

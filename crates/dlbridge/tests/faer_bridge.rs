@@ -55,7 +55,7 @@ fn refusals_name_what_is_wrong() {
     let mut ro = ManagedTensor::from_host(shared, &[2, 2]).unwrap();
     assert!(ro.as_faer::<f64>().is_ok());
     let e = ro.as_faer_mut::<f64>().unwrap_err().to_string();
-    assert!(e.contains("float64 writable host tensor"), "{e}");
+    assert!(e.starts_with("expected writable float64 cpu tensor, got read-only float64"), "{e}");
 
     // Broadcast (zero) strides: readable, never mutable.
     let mut b = ManagedTensor::from_host_strided(vec![1.0f64, 2.0], &[3, 2], &[0, 1], 0).unwrap();
@@ -68,7 +68,7 @@ fn refusals_name_what_is_wrong() {
     assert_eq!(e, "expected a 2-d tensor (a faer matrix), got float64 shape (4,) strides (1,) on cpu");
     let m = ManagedTensor::from_vec(vec![1i32; 4], &[2, 2]).unwrap();
     let e = m.as_faer::<f64>().unwrap_err().to_string();
-    assert!(e.starts_with("expected float64 host tensor, got int32"), "{e}");
+    assert!(e.starts_with("expected float64 cpu tensor, got int32"), "{e}");
 }
 
 #[test]

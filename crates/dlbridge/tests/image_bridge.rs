@@ -64,7 +64,7 @@ fn refusals_name_what_is_wrong() {
     // CHW (a transposed HWC): not row-major HWC.
     let chw = ManagedTensor::from_host_strided(vec![0u8; 12], &[2, 2, 3], &[2, 1, 4], 0).unwrap();
     let e = chw.as_image::<Rgb<u8>>().unwrap_err().to_string();
-    assert!(e.starts_with("expected uint8 C-contiguous host tensor"), "{e}");
+    assert!(e.starts_with("expected uint8 C-contiguous cpu tensor, got uint8 (2, 2, 3) strides"), "{e}");
     let f = ManagedTensor::from_vec(vec![0f32; 12], &[2, 2, 3]).unwrap();
     assert!(f.as_image::<Rgb<u8>>().unwrap_err().to_string().contains("expected uint8"));
 }

@@ -83,7 +83,7 @@ fn empty_and_zero_dim_views() {
 fn wrong_dtype_device_and_bool_bytes_are_refused() {
     let t = ManagedTensor::from_vec(vec![1u8, 2], &[2]).unwrap();
     let err = t.as_array::<f32>().unwrap_err().to_string();
-    assert_eq!(err, "expected float32 host tensor, got uint8 shape (2,) strides (1,) on cpu");
+    assert_eq!(err, "expected float32 cpu tensor, got uint8 (2,) on cpu");
     let b = ManagedTensor::from_host_bytes(vec![0u8, 3], dlbridge::DataType::BOOL, &[2], None, 0).unwrap();
     assert!(b.as_array::<bool>().is_err());
 }

@@ -123,6 +123,22 @@ def test_saxpy_in_place_refusals():
     assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_a_list_is_refused_saying_what_an_argument_takes():
+    """Not "from_dlpack: ..." (a function the caller never called): what is accepted, and the
+    argument named in the note."""
+    with pytest.raises(TypeError) as e:
+        K.saxpy_(1.0, [1.0, 2.0], np.ones(2, np.float32))
+    assert str(e.value) == (
+        "expected an array (an object with __dlpack__ or the buffer protocol), got list; "
+        "dlbridge.asdlpack(x) makes a DLPack tensor of any object with __dlpack__, the buffer protocol, "
+        "__array_interface__ or __cuda_array_interface__"
+    )
+    if sys.version_info >= (3, 11):
+        assert notes(e.value) == ["while processing 'x'"]
+    with pytest.raises(TypeError, match=r"^expected an array .*, got list"):
+        K.softmax([[1.0]])
+
+
 def test_saxpy_in_place_refuses_jax_arrays_which_are_immutable():
     j = jax()
     x = j.numpy.arange(4, dtype="float32")

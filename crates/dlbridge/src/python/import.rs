@@ -146,10 +146,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
         }
     }
     if !info.dlpack && !obj.hasattr(intern!(py, "__dlpack__"))? {
-        return Err(PyTypeError::new_err(format!(
-            "from_dlpack: {} does not support DLPack (it has no __dlpack__ method and is not a DLPack capsule)",
-            type_name(obj)
-        )));
+        return Err(super::protocols::not_an_array(obj, "__dlpack__ or a DLPack capsule"));
     }
     // Asked first, as the standard says (it is how a consumer picks a stream), and checked against
     // the capsule below. The hot producers (numpy, torch) never reach this path.

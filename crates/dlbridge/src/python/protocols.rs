@@ -93,10 +93,24 @@ pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult
     if let Some(cai) = obj.getattr_opt(intern!(py, "__cuda_array_interface__"))? {
         return from_cuda_array_interface(obj, &cai, device_id);
     }
-    Err(PyTypeError::new_err(format!(
-        "asdlpack: {} speaks no array protocol (no __dlpack__, buffer protocol, __array_interface__ or __cuda_array_interface__)",
-        type_name(obj)
-    )))
+    Err(not_an_array(obj, ""))
+}
+
+/// The one refusal of an object that is not an array, on every path (from_dlpack, arguments,
+/// asdlpack): what it is, what the path takes (`accepts`; empty: every protocol), and, where that
+/// is not every protocol, that `dlbridge.asdlpack` takes the rest. It names no function: an
+/// argument's refusal gets PyO3's note naming the argument instead.
+pub(crate) fn not_an_array(obj: &Bound<'_, PyAny>, accepts: &str) -> PyErr {
+    const ALL: &str = "__dlpack__, the buffer protocol, __array_interface__ or __cuda_array_interface__";
+    let t = type_name(obj);
+    PyTypeError::new_err(if accepts.is_empty() {
+        format!("expected an array (an object with {ALL}), got {t}")
+    } else {
+        format!(
+            "expected an array (an object with {accepts}), got {t}; dlbridge.asdlpack(x) makes a DLPack \
+             tensor of any object with {ALL}"
+        )
+    })
 }
 
 fn buffer_error(obj: &Bound<'_, PyAny>, msg: impl std::fmt::Display) -> PyErr {

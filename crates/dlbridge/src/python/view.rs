@@ -336,6 +336,12 @@ impl<'a> TensorView<'a> {
                 Err(_) if info.dlpack => {}
                 Err(e) => return Err(e),
             }
+        } else if !info.dlpack
+            && !super::capsule::is_capsule(obj)
+            && !obj.hasattr(pyo3::intern!(obj.py(), "__dlpack__"))?
+        {
+            // What an argument takes, worded as every path words it (no function named).
+            return Err(super::protocols::not_an_array(obj, "__dlpack__ or the buffer protocol"));
         }
         Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source))
     }
