@@ -1,7 +1,8 @@
 # dlbridge. Two set-up commands work on a fresh machine:
 #   make demo   a real exchange between Rust and numpy / torch / jax / tensorflow / pyarrow
 #   make test   every test (Rust and Python), lints, docs, stubs, valgrind
-# Everything is installed into one virtualenv, .venv, reused across make runs.
+# Everything is installed into one virtualenv, .venv, reused across make runs. `make help` lists
+# every target (the `## ` comment on each target's line).
 SHELL := /bin/bash
 CARGO ?= cargo
 PYTHON ?= python3
@@ -14,35 +15,51 @@ export PIP_NO_CACHE_DIR := 1
 # One interpreter for every build (cargo and maturin), so pyo3 is configured once.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: demo demo-abi test lint rust-test miri hooks-absent matrix docs valgrind valgrind-python develop py-test stubs package bench fuzz soak clean
+# maturin installs the package's requirements each time and pip reports every `test` extra it
+# skips ("Ignoring pytest: markers 'extra == \"test\"' ..."): noise, filtered out.
+QUIET_MATURIN = set -o pipefail; $(MATURIN) develop --quiet $(1) 2>&1 | { grep -v -e "^Ignoring .*markers 'extra ==" -e "^Looking in links" || true; }
+# What the demo imports (the extension and two examples): built when a file they are built from
+# changed since the last build, so a warm `make demo` builds nothing.
+DEMO_SOURCES := $(wildcard $(shell git ls-files -co --exclude-standard crates/dlbridge crates/dlbridge-python examples/scale examples/kernels python/dlbridge 2>/dev/null | grep -E '\.(rs|toml|py|pyi)$$')) Cargo.toml Cargo.lock pyproject.toml
+DEMO_STAMP := $(VENV)/.demo-built
 
-demo: develop
-	cd /tmp && $(PY) $(CURDIR)/examples/demo.py
+.PHONY: help demo demo-abi test lint rust-test miri hooks-absent matrix docs valgrind valgrind-python develop py-test stubs package bench fuzz soak clean
 
-# The Rust-only demo: a Rust buffer through the raw C ABI and back.
-demo-abi:
+help: ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
+
+demo: $(DEMO_STAMP) ## Rust reads numpy/torch arrays and hands Rust buffers to numpy/torch/jax/tf/pyarrow
+	@echo "== 3/3 running examples/demo.py =="
+	@cd /tmp && $(PY) $(CURDIR)/examples/demo.py
+
+demo-abi: ## the Rust-only demo: a Rust buffer through the raw C ABI and back
 	$(CARGO) run --quiet --example demo
 
-test: lint rust-test miri docs valgrind py-test stubs hooks-absent matrix package
+test: lint rust-test miri docs valgrind py-test stubs hooks-absent matrix package ## every test: Rust, Miri, docs, valgrind, Python, stubs, other Pythons, package (long)
 
 $(STAMP): python/requirements-test.txt
+	@echo "== 1/3 installing numpy, torch, jax, tensorflow-cpu, pyarrow, ... into .venv (first time: ~3.5 GB of downloads, a 7.6 GB .venv) =="
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r python/requirements-test.txt
+	set -o pipefail; $(PY) -m pip install --progress-bar off -r python/requirements-test.txt | { grep --line-buffered -E '^(Collecting|Successfully)' || true; }
 	touch $(STAMP)
 
-# Builds the extension and the example extension into the virtualenv (editable).
-develop: $(STAMP)
-	$(MATURIN) develop --quiet --features test-hooks
-	cd examples/scale && $(MATURIN) develop --quiet
-	cd examples/kernels && $(MATURIN) develop --quiet
-	cd examples/bridges && $(MATURIN) develop --quiet
+$(DEMO_STAMP): $(STAMP) $(DEMO_SOURCES)
+	@echo "== 2/3 building dlbridge, examples/scale and examples/kernels into .venv (first time: about 2 minutes) =="
+	@$(call QUIET_MATURIN,--features test-hooks)
+	@cd examples/scale && $(call QUIET_MATURIN)
+	@cd examples/kernels && $(call QUIET_MATURIN)
+	@touch $@
 
-lint: $(STAMP)
+# Everything the tests import: the demo's build and examples/bridges.
+develop: $(DEMO_STAMP) ## build dlbridge and every example extension into .venv (editable)
+	@cd examples/bridges && $(call QUIET_MATURIN)
+
+lint: $(STAMP) ## cargo fmt --check and clippy -D warnings
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
-rust-test: $(STAMP)
+rust-test: $(STAMP) ## every Rust test, all features
 	$(CARGO) test --workspace --all-features
 
 # Miri (default Stacked Borrows) over the crate's core: every unit, integration and doc test of
@@ -51,31 +68,31 @@ rust-test: $(STAMP)
 # tests that need a GPU are ignored everywhere without one; nalgebra's iterating tests are ignored
 # under Miri, see tests/nalgebra_bridge.rs). Isolation is off only so proptest can read its files;
 # case counts lowered.
-miri:
+miri: ## the core's tests under Miri (nightly)
 	@rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^miri' \
 	  || rustup component add --toolchain nightly miri rust-src
 	PROPTEST_CASES=8 MIRIFLAGS="-Zmiri-disable-isolation" $(CARGO) +nightly miri test -p dlbridge --features ndarray,faer,nalgebra,arrow,image,candle,cudarc
 
 # What users install carries no test hooks: the extension built without the test-hooks feature
 # (as every wheel is) must not contain them.
-hooks-absent: $(STAMP)
+hooks-absent: $(STAMP) ## checks a build without test-hooks has none
 	$(CARGO) build --quiet -p dlbridge-python
 	@if grep -q -a -e _HostileBuffer -e _view_then -e _drop_on_native_thread target/debug/lib_dlbridge.so; then \
 	  echo "test hooks found in a build without the test-hooks feature"; exit 1; fi
 	@echo "no test hooks in a build without the test-hooks feature"
 
-docs: $(STAMP)
+docs: $(STAMP) ## cargo doc, warnings denied
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --all-features
 
 # Every Rust test binary under valgrind memcheck (any error or definite leak fails), then the
 # interop smoke run in embedded CPython (errors or definite leaks through dlbridge fail).
-valgrind: develop
+valgrind: develop ## Rust tests and embedded Python under valgrind memcheck
 	@command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
 	bash scripts/valgrind.sh
 	PY=$(PY) bash scripts/valgrind_python.sh
 
 # The Python tests ship inside the package: run them the way a user would, from outside the tree.
-py-test: develop
+py-test: develop ## the Python tests (shipped suite, examples, README and guide, downstream crates)
 	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/examples/kernels/tests $(CURDIR)/examples/bridges/tests $(CURDIR)/tests
 	@echo "The shipped suite again, as if no array library were installed (it must skip, not fail):"
 	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes,tvm_ffi \
@@ -83,22 +100,22 @@ py-test: develop
 
 # The shipped suite on CPython 3.10, 3.12 and 3.13 too (one virtualenv each, .venv-3.X; 3.11 is
 # .venv above): every supported interpreter the machine has is built and tested.
-matrix: $(STAMP)
+matrix: $(STAMP) ## the shipped suite on CPython 3.10, 3.12, 3.13
 	bash scripts/matrix.sh
 
 # The .pyi stubs must match the compiled module.
-stubs: develop
+stubs: develop ## stubtest: the .pyi stubs match the module
 	cd /tmp && $(PY) -m mypy.stubtest dlbridge._dlbridge --mypy-config-file $(CURDIR)/pyproject.toml
 
 # What the registries would get: the crate built from its packaged files (cargo publish --dry-run),
 # the sdist built once into a release wheel that auditwheel calls manylinux, that wheel smoke-tested
 # in a clean virtualenv (scripts/package_check.sh; its own target dir, target/package-check).
-package: $(STAMP)
+package: $(STAMP) ## build the crate and the wheel/sdist and check them
 	PY=$(PY) bash scripts/package_check.sh
 
 # Side-by-side benchmarks (release builds of dlbridge and of the peer shims), criterion benchmarks of
 # the Rust core, callgrind instruction counts; writes docs/BENCHMARKS.md and docs/bench_sizes.png.
-bench: $(STAMP)
+bench: $(STAMP) ## side-by-side benchmarks; writes docs/BENCHMARKS.md
 	$(PY) -m pip install --quiet -r bench/requirements-bench.txt
 	$(MATURIN) develop --release --quiet --features test-hooks
 	cd bench/shim-dlbridge && $(MATURIN) develop --release --quiet
@@ -109,13 +126,13 @@ bench: $(STAMP)
 	cd /tmp && $(PY) $(CURDIR)/bench/bench.py
 
 # Every fuzz target for FUZZ_SECONDS (default 60) each; the corpus is committed.
-fuzz: $(STAMP)
+fuzz: $(STAMP) ## each fuzz target for FUZZ_SECONDS (default 60)
 	bash scripts/fuzz.sh
 
 # 10^6 round trips per path; fails if any path grows the process by 1 MiB or more.
-soak: develop
+soak: develop ## 10^6 round trips per path, memory growth
 	cd /tmp && $(PY) $(CURDIR)/scripts/soak.py
 
-clean:
+clean: ## remove target/ and the virtualenvs
 	$(CARGO) clean
 	rm -rf $(VENV) $(CURDIR)/.venv-3.*

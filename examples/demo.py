@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import warnings
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Library start-up chatter (tensorflow's C++ and absl logs, gRPC, glog) is not part of the demo:
+# silenced before any of them is imported.
+for var, level in [("TF_CPP_MIN_LOG_LEVEL", "3"), ("GRPC_VERBOSITY", "ERROR"), ("GLOG_minloglevel", "3")]:
+    os.environ.setdefault(var, level)
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
@@ -75,9 +78,11 @@ def main() -> None:
     print("  Rust scale(torch_tensor, 2.0) in place")
     print(f"    numpy now {n.tolist()}")
 
-    section("3. What each library's arrays look like passing through dlbridge")
+    # Imported before the section starts, so nothing they print at start-up can split it.
     import pyarrow as pa
     import tensorflow as tf
+
+    section("3. What each library's arrays look like passing through dlbridge")
 
     sources = [
         ("numpy", np.zeros((2, 3), np.float64)),
