@@ -45,7 +45,7 @@ $(STAMP): python/requirements-test.txt
 	touch $(STAMP)
 
 $(DEMO_STAMP): $(STAMP) $(DEMO_SOURCES)
-	@echo "== 2/3 building dlbridge, examples/scale and examples/kernels into .venv (first time: about 2 minutes) =="
+	@echo "== 2/3 building dlbridge, examples/scale and examples/kernels into .venv (first time: a few minutes) =="
 	@$(call QUIET_MATURIN,--features test-hooks)
 	@cd examples/scale && $(call QUIET_MATURIN)
 	@cd examples/kernels && $(call QUIET_MATURIN)
