@@ -110,8 +110,11 @@ def test_copy_true_with_a_legacy_producer_is_done_by_dlbridge(np) -> None:
 
 def test_a_type_error_inside_a_new_style_producer_surfaces(np) -> None:
     p = TypeErrorInsideProducer()
-    with pytest.raises(TypeError, match="producer-internal failure"):
+    # The error contract: the producer's refusal is the cause of a BufferError (not retried the
+    # legacy way: it is not a complaint about the keywords).
+    with pytest.raises(BufferError, match="producer-internal failure") as e:
         dlbridge.from_dlpack(p)
+    assert isinstance(e.value.__cause__, TypeError)
     assert p.bodies == 1, "no legacy retry"
 
 
