@@ -191,8 +191,9 @@ fn image_make(width: u32, height: u32) -> PyResult<(ManagedTensor, usize)> {
 // ---------------------------------------------------------------------------------------------
 // candle
 
-/// A candle `arange(rows * cols)` reshaped and transposed, exported without copying (strides
-/// and all); with the address of candle's storage.
+/// A candle `arange(rows * cols)` reshaped and transposed, exported as a C-contiguous copy (candle
+/// writes its storage through `&Tensor`, so nothing of it is shared); with the address of candle's
+/// storage (never the tensor's).
 #[pyfunction]
 fn candle_transposed(rows: usize, cols: usize) -> PyResult<(ManagedTensor, usize)> {
     let err = |e: candle_core::Error| PyValueError::new_err(e.to_string());
