@@ -6,7 +6,7 @@
 //! | `nalgebra` | `nalgebra` | `DMatrixView`/`DMatrixViewMut`, `DVectorView`/`DVectorViewMut` | `DMatrix`, `DVector` |
 //! | `arrow` | `arrow` | `PrimitiveArray`, `FixedSizeListArray` (`arrow.fixed_shape_tensor`) | the same |
 //! | `image` | `image` | `ImageBuffer` over the tensor (HWC) | `ImageBuffer<P, Vec<_>>` |
-//! | `candle` | `candle` | a CPU `Tensor` (one copy: candle cannot hold foreign memory) | a CPU `Tensor` (zero-copy) |
+//! | `candle` | `candle` | a CPU `Tensor` (one copy: candle cannot hold foreign memory) | a CPU `Tensor` (one copy: candle writes its storage through `&Tensor`) |
 //! | `cudarc` | `cudarc` | `CudaView`/`CudaViewMut` over CUDA tensors | `CudaSlice<T>` |
 //!
 //! Every typed view over an imported tensor goes through the same check-and-lease path as
