@@ -3,7 +3,8 @@
 import builtins
 import enum
 import sys
-from typing import Any, Callable, Final, final
+from collections.abc import Sequence
+from typing import Any, Callable, Final, SupportsIndex, final
 
 __all__ = [
     "Tensor",
@@ -12,6 +13,8 @@ __all__ = [
     "DeviceType",
     "from_dlpack",
     "asdlpack",
+    "shared_empty",
+    "share",
     "__dlpack_version__",
     "int8",
     "int16",
@@ -113,6 +116,7 @@ class Tensor:
         copy: builtins.bool | None = None,
     ) -> Any: ...
     def __dlpack_device__(self) -> tuple[DeviceType | int, int]: ...
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]: ...
     @property
     def shape(self) -> tuple[int, ...]: ...
     @property
@@ -148,6 +152,8 @@ class Tensor:
         def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 def asdlpack(x: Any, /, *, device_id: int | None = None) -> Tensor: ...
+def shared_empty(shape: int | Sequence[int], dtype: DType | str) -> Tensor: ...
+def share(x: Any) -> Tensor: ...
 def from_dlpack(
     x: Any,
     /,

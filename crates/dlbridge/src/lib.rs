@@ -59,6 +59,8 @@ pub mod managed;
 pub mod ndarray;
 #[cfg(feature = "python")]
 pub mod python;
+#[cfg(all(feature = "shm", target_os = "linux"))]
+pub mod shm;
 pub mod spec;
 mod view;
 

@@ -8,6 +8,9 @@ import dlbridge
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where none is present")
     config.addinivalue_line(
+        "markers", "processes: starts child processes (each waited for with a bound, then reaped)"
+    )
+    config.addinivalue_line(
         "markers",
         "hooks: needs dlbridge's test-only hooks (cargo feature test-hooks, which `make test` builds "
         "with and no wheel has); skipped where they are absent",

@@ -28,6 +28,8 @@ mod import;
 mod numpy;
 mod protocols;
 mod release;
+#[cfg(target_os = "linux")]
+mod shared;
 mod tensor;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
@@ -147,6 +149,8 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeviceType", device_type_enum(py)?)?;
     m.add("from_dlpack", FROM_DLPACK_DEF.function(m)?)?;
     m.add("asdlpack", ASDLPACK_DEF.function(m)?)?;
+    #[cfg(target_os = "linux")]
+    shared::add(m)?;
     #[cfg(feature = "test-hooks")]
     test_hooks::add(m)?;
     share_borrow_registry(py);

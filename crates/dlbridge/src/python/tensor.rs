@@ -310,6 +310,13 @@ impl Tensor {
         Ok(DLPACK_DEF.method(&py.get_type::<Tensor>())?.unbind())
     }
 
+    /// Pickling: a shared tensor as a handle to its memory, otherwise its bytes (one out-of-band
+    /// `PickleBuffer` with protocol 5); see `python/shared.rs`.
+    #[cfg(target_os = "linux")]
+    fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
+        super::shared::reduce_ex(slf, protocol)
+    }
+
     /// `(DeviceType, id)`.
     fn __dlpack_device__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let t = self

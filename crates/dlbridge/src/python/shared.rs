@@ -1,0 +1,516 @@
+//! Tensors across processes: `dlbridge.shared_empty`, `dlbridge.share`, and pickling
+//! (`Tensor.__reduce_ex__`). The one door between Python and [`crate::shm`].
+//!
+//! A Tensor pickles as:
+//! - **a handle** when its memory lies in a shared segment ([`crate::shm`]), whatever the protocol:
+//!   a tuple of a few integers (under 1 KiB whatever the size); unpickling in any process on the
+//!   machine maps the same memory while some process still holds it (see `shm`'s docs for the
+//!   lifetime);
+//! - **one out-of-band `PickleBuffer`** over its bytes with protocol 5 (no copy at pickling; with
+//!   a `buffer_callback` the bytes travel beside the pickle, as Ray's object store takes them;
+//!   without one, in-band: `bytes` for a read-only tensor, `bytearray` otherwise);
+//! - **bytes** (one copy) with protocols 0 to 4.
+//!
+//! The buffer and bytes forms carry the byte range the elements span with the tensor's own
+//! strides, so the unpickled tensor has the same dtype, shape and strides (negative, zero,
+//! Fortran order); a tensor with gaps between its elements (a slice such as `a[::2]`, whose span
+//! is larger than its elements) is made C-contiguous first, one copy, rather than sending memory
+//! that is not the tensor's. Unpickling a buffer gives a tensor over that buffer (zero-copy: a Ray
+//! worker's tensor lies in the object store), read-only if the tensor was or if the buffer is
+//! (the object store's are, as numpy's arrays from it are); bytes are copied once into aligned
+//! memory. Tensors not in host memory refuse to pickle (CUDA IPC is not implemented).
+//!
+//! Unpickling checks every field of what it is given (BufferError naming the field): a pickle is
+//! data from elsewhere.
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyTuple};
+
+use super::Tensor;
+use super::protocols::asdlpack_with;
+use super::types::PyDType;
+use crate::dtype::{DataType, TypeCode};
+use crate::export::{AlignedBuffer, HostBuffer};
+use crate::flags::Flags;
+use crate::layout;
+use crate::managed::ManagedTensor;
+use crate::shm::{Handle, Segment, SegmentId};
+
+/// The first item of a shared tensor's handle tuple, and its version.
+const HANDLE_TAG: &str = "dlbridge-shm";
+const HANDLE_VERSION: u32 = 1;
+
+/// The rebuild functions pickles name (registered by [`add`], so a pickle names this module's).
+static REBUILD_SHARED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static REBUILD_BUFFER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static REBUILD_BYTES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// Adds `shared_empty`, `share` and the private rebuild functions to a module.
+pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_function(wrap_pyfunction!(shared_empty, m)?)?;
+    m.add_function(wrap_pyfunction!(share, m)?)?;
+    for (f, slot) in [
+        (wrap_pyfunction!(_rebuild_shared, m)?, &REBUILD_SHARED),
+        (wrap_pyfunction!(_rebuild_buffer, m)?, &REBUILD_BUFFER),
+        (wrap_pyfunction!(_rebuild_bytes, m)?, &REBUILD_BYTES),
+    ] {
+        m.add_function(f.clone())?;
+        let _ = slot.set(py, f.into_any().unbind());
+    }
+    // PyO3 lists every added function in `__all__`; the rebuild functions are private.
+    let all = m.index()?;
+    for name in ["_rebuild_shared", "_rebuild_buffer", "_rebuild_bytes"] {
+        all.call_method1("remove", (name,))?;
+    }
+    Ok(())
+}
+
+fn rebuild_fn<'py>(py: Python<'py>, slot: &PyOnceLock<Py<PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    slot.get(py).map(|f| f.bind(py).clone()).ok_or_else(|| {
+        PyTypeError::new_err(
+            "cannot pickle a dlbridge Tensor: this extension module did not register dlbridge's \
+             functions (call dlbridge::python::init_module)",
+        )
+    })
+}
+
+fn dtype_arg(dtype: &Bound<'_, PyAny>) -> PyResult<DataType> {
+    if let Ok(d) = dtype.cast::<PyDType>() {
+        return Ok(d.get().0);
+    }
+    if let Ok(name) = dtype.extract::<&str>() {
+        return Ok(name.parse::<DataType>()?);
+    }
+    Err(PyTypeError::new_err(format!(
+        "shared_empty(): dtype must be a dlbridge.DType or a dtype name such as \"float32\", got {}",
+        dtype.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+    )))
+}
+
+fn shape_arg(shape: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let dims: Vec<i64> = match shape.extract::<i64>() {
+        Ok(n) => vec![n],
+        Err(_) => shape.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "shared_empty(): shape must be an int or a sequence of ints, got {}",
+                shape.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        })?,
+    };
+    if let Some(d) = dims.iter().find(|&&d| d < 0) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "shared_empty(): shape {} has a negative extent {d}",
+            crate::error::tuple(&dims)
+        )));
+    }
+    if dims.len() > crate::MAX_NDIM {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "shared_empty(): shape has {} dimensions, at most {} are supported",
+            dims.len(),
+            crate::MAX_NDIM
+        )));
+    }
+    Ok(dims)
+}
+
+fn shm_error(what: &str, e: crate::shm::ShmError) -> PyErr {
+    PyBufferError::new_err(format!("{what}: {e}"))
+}
+
+/// Compact bytes of `numel` elements of a dtype, or an error naming the shape.
+fn compact_bytes(dtype: DataType, shape: &[i64], padded: bool) -> PyResult<usize> {
+    let numel = layout::element_count(shape)?;
+    let bytes = layout::compact_byte_size(numel, dtype.storage_bits(padded))?;
+    usize::try_from(bytes).ok().filter(|&b| b <= isize::MAX as usize).ok_or_else(|| {
+        PyBufferError::new_err(format!(
+            "shape {} of {dtype}: {bytes} bytes do not fit in memory",
+            crate::error::tuple(shape)
+        ))
+    })
+}
+
+/// `dlbridge.shared_empty(shape, dtype)`: a zero-filled, writable, C-contiguous CPU tensor in
+/// shared memory, which pickles as a handle (see the module docs).
+///
+/// Args:
+///     shape: an int or a sequence of ints.
+///     dtype: a `dlbridge.DType` or a dtype name (`"float32"`, `"bfloat16"`).
+///
+/// Returns:
+///     A shared `dlbridge.Tensor`.
+///
+/// Raises:
+///     TypeError: `shape` or `dtype` of the wrong type.
+///     ValueError: a negative extent, an unknown dtype name, too many dimensions.
+///     BufferError: the segment cannot be made (memory, descriptors).
+#[pyfunction]
+fn shared_empty(shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    super::enter(shape.py());
+    let dtype = dtype_arg(dtype)?;
+    dtype.validate()?;
+    let shape = shape_arg(shape)?;
+    let bytes = compact_bytes(dtype, &shape, false)?;
+    let seg = Segment::create(bytes).map_err(|e| shm_error("shared_empty()", e))?;
+    Ok(Tensor::new(seg.tensor(dtype, &shape, None, 0, 0, Flags::NONE)?))
+}
+
+/// The segment a host tensor's memory lies in, with the offsets its handle records: the distance
+/// from the segment's data to the tensor's `data` pointer and the producer's `byte_offset`.
+fn segment_of(t: &ManagedTensor) -> Option<(Arc<Segment>, u64, u64)> {
+    if !t.is_host_accessible() {
+        return None;
+    }
+    let first = t.data_ptr() as usize;
+    let (lo, hi) = if t.numel() == 0 {
+        (0, 0)
+    } else {
+        let bits = t.dtype().storage_bits(t.flags().is_subbyte_padded());
+        layout::byte_span(t.shape(), t.strides(), bits).ok()?
+    };
+    let start = first.checked_add_signed(lo)?;
+    let (seg, _) = Segment::containing(start, (hi - lo) as usize)?;
+    let base = seg.data() as usize;
+    let data = t.dl_tensor().data as usize;
+    // The producer's (data, byte_offset) pair where data lies in the segment; else the first
+    // element as data (the pair's sum is what matters).
+    let (off, byte_offset) =
+        if data >= base { ((data - base) as u64, t.byte_offset()) } else { ((first - base) as u64, 0) };
+    Some((seg, off, byte_offset))
+}
+
+/// `dlbridge.share(x)`: a shared tensor with `x`'s contents (dtype, shape, read-only-ness): `x`
+/// itself, as a Tensor, when its memory already lies in a shared segment; otherwise one copy into
+/// a new segment (C-contiguous).
+///
+/// Args:
+///     x: any DLPack producer or object with an array protocol, in host memory.
+///
+/// Returns:
+///     A shared `dlbridge.Tensor`.
+///
+/// Raises:
+///     TypeError: `x` speaks no array protocol.
+///     BufferError: `x` is not in host memory, its dtype cannot be copied compactly (a packed
+///         sub-byte dtype with strides), or the segment cannot be made.
+#[pyfunction]
+fn share(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let t = asdlpack_with(x, None)?.tensor;
+    if !t.is_host_accessible() {
+        return Err(PyBufferError::new_err(format!(
+            "share(): x is on {}; only host memory can be shared (CUDA IPC is not implemented)",
+            t.device()
+        )));
+    }
+    if segment_of(&t).is_some() {
+        return Ok(Tensor::new(t));
+    }
+    let padded = t.flags().is_subbyte_padded();
+    let bytes = compact_bytes(t.dtype(), t.shape(), padded)?;
+    let copied;
+    let src: &ManagedTensor = if t.is_c_contiguous() {
+        &t
+    } else {
+        copied = t.to_contiguous()?;
+        &copied
+    };
+    let seg = Segment::create(bytes).map_err(|e| shm_error("share()", e))?;
+    {
+        let _lease = src.lease(false)?;
+        // SAFETY: `src` is a compact host tensor of `bytes` bytes from its first element (C order,
+        // validated on entry); the segment has `bytes` bytes of data; a shared lease is held.
+        unsafe { std::ptr::copy_nonoverlapping(src.data_ptr().cast::<u8>(), seg.data(), bytes) };
+    }
+    let flags =
+        Flags::NONE.with(Flags::READ_ONLY, t.is_read_only()).with(Flags::IS_SUBBYTE_TYPE_PADDED, padded);
+    Ok(Tensor::new(seg.tensor(t.dtype(), t.shape(), None, 0, 0, flags)?))
+}
+
+/// A read-only or writable flat byte buffer over part of a tensor, which keeps the tensor alive:
+/// what a protocol-5 pickle's `PickleBuffer` wraps.
+#[pyclass(frozen, module = "dlbridge._dlbridge", name = "_TensorBytes")]
+struct TensorBytes {
+    _owner: Arc<ManagedTensor>,
+    ptr: usize,
+    len: usize,
+    readonly: bool,
+}
+
+#[pymethods]
+impl TensorBytes {
+    unsafe fn __getbuffer__(slf: PyRef<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        if flags & ffi::PyBUF_WRITABLE != 0 && slf.readonly {
+            return Err(PyBufferError::new_err("buffer protocol: the tensor is read-only"));
+        }
+        let (ptr, len, ro) = (slf.ptr, slf.len as ffi::Py_ssize_t, c_int::from(slf.readonly));
+        // SAFETY: `view` is the consumer's Py_buffer; FillInfo takes a new reference to this object,
+        // which owns the tensor whose `len` bytes from `ptr` it spans (checked when made).
+        let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr as *mut c_void, len, ro, flags) };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+fn dtype_tuple(t: DataType) -> (u8, u8, u16) {
+    (t.code().0, t.bits(), t.lanes())
+}
+
+/// `Tensor.__reduce_ex__(protocol)` (see the module docs).
+pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
+    let py = slf.py();
+    let t = slf.get().shared();
+    if !t.is_host_accessible() {
+        return Err(PyTypeError::new_err(format!(
+            "cannot pickle a dlbridge Tensor on {}: only host memory pickles (CUDA IPC is not implemented)",
+            t.device()
+        )));
+    }
+    let padded = t.flags().is_subbyte_padded();
+    let (readonly, dtype) = (t.is_read_only(), dtype_tuple(t.dtype()));
+    if let Some((seg, data_offset, byte_offset)) = segment_of(t) {
+        let h = seg.handle();
+        let handle = (
+            (HANDLE_TAG, HANDLE_VERSION, h.pid, h.fd, h.id.dev, h.id.ino, PyBytes::new(py, &h.id.token)),
+            (h.data_len, data_offset, byte_offset),
+            (dtype, t.shape(), t.strides(), readonly, padded),
+        );
+        return PyTuple::new(
+            py,
+            [rebuild_fn(py, &REBUILD_SHARED)?, PyTuple::new(py, [handle.into_pyobject(py)?])?.into_any()],
+        );
+    }
+    // The byte range the elements span, relative to the first; a layout with gaps is compacted.
+    let bits = t.dtype().storage_bits(padded);
+    let (lo, hi) = if t.numel() == 0 { (0, 0) } else { layout::byte_span(t.shape(), t.strides(), bits)? };
+    let compact = compact_bytes(t.dtype(), t.shape(), padded)?;
+    let (src, lo, hi) = if (hi - lo) as usize > compact {
+        let c = Arc::new(t.to_contiguous()?);
+        (c, 0, compact as isize)
+    } else {
+        (Arc::clone(t), lo, hi)
+    };
+    let start = (src.data_ptr() as usize).wrapping_add_signed(lo);
+    let len = (hi - lo) as usize;
+    let meta = (dtype, src.shape().to_vec(), src.strides().to_vec(), (-lo) as u64, readonly, padded);
+    if protocol >= 5 {
+        let bytes = TensorBytes { _owner: src, ptr: start, len, readonly };
+        let pb = py.import("pickle")?.getattr("PickleBuffer")?.call1((Bound::new(py, bytes)?,))?;
+        let args = (pb, meta.0, meta.1, meta.2, meta.3, meta.4, meta.5).into_pyobject(py)?;
+        PyTuple::new(py, [rebuild_fn(py, &REBUILD_BUFFER)?, args.into_any()])
+    } else {
+        let data = {
+            let _lease = src.lease(false)?;
+            // SAFETY: the `len` bytes from `start` are the span of `src`'s elements (validated on
+            // entry), alive while `src` is; a shared lease is held while they are read.
+            PyBytes::new(py, unsafe { std::slice::from_raw_parts(start as *const u8, len) })
+        };
+        let args = (data, meta.0, meta.1, meta.2, meta.3, meta.4, meta.5).into_pyobject(py)?;
+        PyTuple::new(py, [rebuild_fn(py, &REBUILD_BYTES)?, args.into_any()])
+    }
+}
+
+/// A BufferError about a field of what is being unpickled.
+fn bad(field: &str, why: impl std::fmt::Display) -> PyErr {
+    PyBufferError::new_err(format!("unpickling a dlbridge Tensor: {field}: {why}"))
+}
+
+fn field<'py, T: for<'a> FromPyObject<'a, 'py>>(
+    t: &Bound<'py, PyTuple>,
+    i: usize,
+    name: &str,
+) -> PyResult<T> {
+    let v = t.get_item(i).map_err(|_| bad(name, "missing"))?;
+    v.extract::<T>().map_err(|_| {
+        bad(name, format!("unexpected value {}", v.repr().map(|r| r.to_string()).unwrap_or_default()))
+    })
+}
+
+fn tuple_field<'py>(
+    t: &Bound<'py, PyTuple>,
+    i: usize,
+    name: &str,
+    len: usize,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let v = t.get_item(i).map_err(|_| bad(name, "missing"))?;
+    let v = v.cast_into::<PyTuple>().map_err(|_| bad(name, "not a tuple"))?;
+    if v.len() != len {
+        return Err(bad(name, format!("{} items, expected {len}", v.len())));
+    }
+    Ok(v)
+}
+
+/// The tensor description shared by every form: dtype, shape, strides, flags.
+struct Meta {
+    dtype: DataType,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    flags: Flags,
+}
+
+fn meta(
+    dtype: (u8, u8, u16),
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    readonly: bool,
+    padded: bool,
+) -> PyResult<Meta> {
+    let dtype = DataType::new(TypeCode(dtype.0), dtype.1, dtype.2);
+    dtype.validate().map_err(|e| bad("dtype", e))?;
+    if shape.len() > crate::MAX_NDIM || shape.iter().any(|&d| d < 0) {
+        return Err(bad("shape", crate::error::tuple(&shape)));
+    }
+    if strides.len() != shape.len() {
+        return Err(bad(
+            "strides",
+            format!("{} for shape {}", crate::error::tuple(&strides), crate::error::tuple(&shape)),
+        ));
+    }
+    let flags = Flags::NONE.with(Flags::READ_ONLY, readonly).with(Flags::IS_SUBBYTE_TYPE_PADDED, padded);
+    Ok(Meta { dtype, shape, strides, flags })
+}
+
+/// Unpickles a shared tensor's handle (private: pickles name it).
+#[pyfunction]
+fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    super::enter(handle.py());
+    let h = handle.cast::<PyTuple>().map_err(|_| bad("handle", "not a tuple"))?;
+    if h.len() != 3 {
+        return Err(bad("handle", format!("{} items, expected 3", h.len())));
+    }
+    let who = tuple_field(h, 0, "handle", 7)?;
+    let tag: String = field(&who, 0, "handle.tag")?;
+    let version: u32 = field(&who, 1, "handle.version")?;
+    if tag != HANDLE_TAG || version != HANDLE_VERSION {
+        return Err(bad(
+            "handle.version",
+            format!("{tag:?} version {version}; this dlbridge reads {HANDLE_TAG:?} {HANDLE_VERSION}"),
+        ));
+    }
+    let pid: u32 = field(&who, 2, "handle.pid")?;
+    let fd: i32 = field(&who, 3, "handle.fd")?;
+    let (dev, ino): (u64, u64) = (field(&who, 4, "handle.dev")?, field(&who, 5, "handle.inode")?);
+    let token: Vec<u8> = field(&who, 6, "handle.token")?;
+    let token: [u8; 16] = token
+        .try_into()
+        .map_err(|t: Vec<u8>| bad("handle.token", format!("{} bytes, expected 16", t.len())))?;
+    let place = tuple_field(h, 1, "handle", 3)?;
+    let data_len: u64 = field(&place, 0, "handle.size")?;
+    let data_offset: u64 = field(&place, 1, "handle.data_offset")?;
+    let byte_offset: u64 = field(&place, 2, "handle.byte_offset")?;
+    let desc = tuple_field(h, 2, "handle", 5)?;
+    let m = meta(
+        field(&desc, 0, "dtype")?,
+        field(&desc, 1, "shape")?,
+        field(&desc, 2, "strides")?,
+        field(&desc, 3, "readonly")?,
+        field(&desc, 4, "subbyte_padded")?,
+    )?;
+    let handle = Handle { pid, fd, id: SegmentId { dev, ino, token }, data_len };
+    let seg = Segment::open(&handle).map_err(|e| bad(&format!("handle.{}", e.field), e.message))?;
+    let t = seg
+        .tensor(m.dtype, &m.shape, Some(&m.strides), data_offset, byte_offset, m.flags)
+        .map_err(|e| bad("handle.shape/strides/offsets", e))?;
+    Ok(Tensor::new(t))
+}
+
+/// A tensor over (or, `copy`, a copy of) the bytes of `buf` with this description, the first
+/// element `first` bytes in.
+fn rebuild(buf: &Bound<'_, PyAny>, m: Meta, first: u64, copy: bool) -> PyResult<Tensor> {
+    let src = asdlpack_with(buf, None).map_err(|e| bad("buffer", e))?.tensor;
+    if !src.is_host_accessible() || !src.is_c_contiguous() {
+        return Err(bad("buffer", "not a contiguous host buffer"));
+    }
+    let len = u64::try_from(src.nbytes()).map_err(|_| bad("buffer", "too large"))?;
+    if !crate::shm::fits_in(m.dtype, &m.shape, &m.strides, m.flags, first, len)
+        .map_err(|e| bad("shape", e))?
+    {
+        return Err(bad(
+            "shape/strides",
+            format!(
+                "{} strides {} of {} from byte {first} do not fit in {len} bytes",
+                crate::error::tuple(&m.shape),
+                crate::error::tuple(&m.strides),
+                m.dtype
+            ),
+        ));
+    }
+    let align = m.dtype.itemsize().unwrap_or(1).next_power_of_two().min(16);
+    let aligned = (src.data_ptr() as usize + first as usize) % align == 0;
+    if copy || !aligned {
+        let mut out = AlignedBuffer::<u8>::zeroed(len as usize);
+        {
+            let _lease = src.lease(false)?;
+            // SAFETY: `src` is a compact host buffer of `len` bytes (checked above) and `out` has
+            // `len` bytes; a shared lease is held on the source.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.data_ptr().cast::<u8>(), out.as_mut_ptr(), len as usize)
+            };
+        }
+        let shape: Vec<usize> = m.shape.iter().map(|&d| d as usize).collect();
+        let strides: Vec<isize> = m.strides.iter().map(|&s| s as isize).collect();
+        let mut t = ManagedTensor::from_host_bytes(out, m.dtype, &shape, Some(&strides), first as usize)
+            .map_err(|e| bad("shape/strides", e))?;
+        if m.flags.is_read_only() {
+            t = t.into_read_only();
+        }
+        return Ok(Tensor::new(t));
+    }
+    let flags = m.flags.with(Flags::READ_ONLY, m.flags.is_read_only() || src.is_read_only());
+    let data = src.data_ptr();
+    // SAFETY: every element the layout reaches lies in the `len` bytes of `src` from `data` (checked
+    // above), which `src` (the owner) keeps alive; writable only where `src` is.
+    let t = unsafe {
+        ManagedTensor::from_raw_parts(
+            data,
+            src.device(),
+            m.dtype,
+            &m.shape,
+            Some(&m.strides),
+            first,
+            flags,
+            src,
+        )
+    }
+    .map_err(|e| bad("shape/strides", e))?;
+    Ok(Tensor::new(t))
+}
+
+/// Unpickles a protocol-5 tensor: a tensor over `buf` (private: pickles name it).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _rebuild_buffer(
+    buf: &Bound<'_, PyAny>,
+    dtype: (u8, u8, u16),
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    first: u64,
+    readonly: bool,
+    padded: bool,
+) -> PyResult<Tensor> {
+    rebuild(buf, meta(dtype, shape, strides, readonly, padded)?, first, false)
+}
+
+/// Unpickles a protocol 0-4 tensor: a copy of `data` (private: pickles name it).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _rebuild_bytes(
+    data: &Bound<'_, PyAny>,
+    dtype: (u8, u8, u16),
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    first: u64,
+    readonly: bool,
+    padded: bool,
+) -> PyResult<Tensor> {
+    rebuild(data, meta(dtype, shape, strides, readonly, padded)?, first, true)
+}

@@ -1,0 +1,471 @@
+"""Shared tensors across processes: shared_empty/share, pickles that carry a handle, the same
+memory mapped in children started with spawn, fork and forkserver and in a ProcessPoolExecutor,
+lifetime (nothing left behind, a SIGKILLed child, the parent exiting first) and hostile handles.
+
+Every child is started with a bounded wait and reaped (joined, else killed and joined). Segments
+are memfds: a segment exists while a process holds a descriptor or mapping of it, so "freed" is
+checked as "no process on the machine holds its inode" (every /proc/<pid>/fd and /proc/<pid>/maps
+scanned), and /dev/shm is listed before and after to show nothing is ever put there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+
+import pytest
+
+import dlbridge
+
+from .libs import have, need
+
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="shared tensors are Linux memfds"),
+]
+
+WAIT = 120  # seconds: the most any child is waited for before it is killed (never a pass/fail bound)
+METHODS = [m for m in ("spawn", "fork", "forkserver") if m in mp.get_all_start_methods()]
+MEMFD = "/memfd:dlbridge-shm"
+
+
+def segment_inode(t: dlbridge.Tensor) -> int:
+    """The inode of the dlbridge memfd this process maps at the tensor's data (from /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= t.data_ptr < hi and len(parts) >= 6 and parts[5].startswith(MEMFD):
+                return int(parts[4])
+    raise AssertionError(f"{t!r} is not in a dlbridge segment")
+
+
+def holders(ino: int) -> set[int]:
+    """Every process on the machine holding a descriptor or a mapping of memfd inode `ino`."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(MEMFD) and os.stat(
+                        f"/proc/{pid}/fd/{fd}"
+                    ).st_ino == ino:
+                        found.add(int(pid))
+                except OSError:
+                    pass
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 6 and parts[5].startswith(MEMFD) and int(parts[4]) == ino:
+                        found.add(int(pid))
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
+
+
+def dev_shm() -> set[str]:
+    """/dev/shm's entries, less multiprocessing's own semaphores (its queues' locks)."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {n for n in names if not n.startswith("sem.mp-")}
+
+
+def reap(*procs: mp.process.BaseProcess) -> None:
+    for p in procs:
+        p.join(WAIT)
+        if p.is_alive():
+            p.kill()
+            p.join(WAIT)
+
+
+def floats(t: dlbridge.Tensor) -> memoryview:
+    return memoryview(t).cast("B").cast("f")
+
+
+# ---- children (module level: spawn and forkserver import them) ------------------------------------
+
+
+def child_write(t: dlbridge.Tensor, q: mp.Queue, more: mp.Queue) -> None:
+    """Reports what it sees of `t` and of the tensor sent through `more`, writes 7.0 at index 1."""
+    u = more.get(timeout=WAIT)
+    m = floats(t)
+    q.put((t.shape, t.strides, str(t.dtype), t.readonly, t.byte_offset, m[0], u.data_ptr == t.data_ptr))
+    m[1] = 7.0
+    q.put("written")
+
+
+def child_readonly(t: dlbridge.Tensor, q: mp.Queue) -> None:
+    try:
+        memoryview(t).cast("B")[0] = 1
+        q.put(("wrote", t.readonly))
+    except (TypeError, BufferError) as e:
+        q.put((type(e).__name__, t.readonly))
+
+
+def child_libraries(t: dlbridge.Tensor, q: mp.Queue) -> None:
+    """numpy, torch and jax read the tensor in place; numpy writes through."""
+    out = {}
+    import numpy as np
+
+    a = np.from_dlpack(t)
+    out["numpy"] = a.ctypes.data == t.data_ptr
+    a[2] = 3.0
+    if have("torch"):
+        import torch
+
+        out["torch"] = torch.from_dlpack(t).data_ptr() == t.data_ptr
+    if have("jax"):
+        import jax
+
+        out["jax"] = jax.numpy.from_dlpack(t).unsafe_buffer_pointer() == t.data_ptr
+    q.put(out)
+
+
+def pool_task(t: dlbridge.Tensor) -> float:
+    m = floats(t)
+    m[0] = m[0] + 1.0
+    return m[0]
+
+
+def child_hold_until_killed(t: dlbridge.Tensor, q: mp.Queue) -> None:
+    floats(t)[0] = 5.0
+    q.put(os.getpid())
+    signal.pause()
+
+
+def orphan_child(t: dlbridge.Tensor, mapped, parent_gone, q: mp.Queue) -> None:
+    """Waits until its parent exited, then reads and writes the memory and reports."""
+    mapped.set()  # `t` was unpickled (mapped) before this function ran
+    parent_gone.wait(WAIT)
+    m = floats(t)
+    m[1] = m[0] + 1.0
+    q.put(("orphan", os.getpid(), m[0], m[1]))
+
+
+def parent_that_exits(q: mp.Queue, parent_gone) -> None:
+    """Makes a shared tensor, hands it to a child of its own, and exits without waiting for it."""
+    t = dlbridge.shared_empty(4, "float32")
+    floats(t)[0] = 41.0
+    ctx = mp.get_context("spawn")
+    mapped = ctx.Event()
+    c = ctx.Process(target=orphan_child, args=(t, mapped, parent_gone, q))
+    c.start()
+    mapped.wait(WAIT)
+    q.put(("parent", os.getpid(), c.pid, segment_inode(t)))
+    q.close()
+    q.join_thread()
+    # Exit now: the child outlives its parent. (os._exit: multiprocessing would otherwise join it.)
+    os._exit(0)
+
+
+def subreaper(q: mp.Queue, parent_gone) -> None:
+    """Adopts orphans (PR_SET_CHILD_SUBREAPER) so the orphaned grandchild is reaped here."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=parent_that_exits, args=(q, parent_gone))
+    p.start()
+    p.join(WAIT)
+    pid, status = os.waitpid(-1, 0)  # the orphan, once it exits
+    q.put(("reaped", pid, os.waitstatus_to_exitcode(status)))
+
+
+# ---- the API in one process -----------------------------------------------------------------------
+
+
+def test_shared_empty_is_zeroed_writable_c_contiguous_and_aligned():
+    t = dlbridge.shared_empty((3, 4), "float32")
+    assert (t.shape, t.strides, t.dtype, t.readonly) == ((3, 4), (4, 1), dlbridge.float32, False)
+    assert t.is_c_contiguous and t.data_ptr % 256 == 0
+    assert bytes(memoryview(t)) == bytes(48)
+    assert dlbridge.shared_empty(5, dlbridge.bfloat16).shape == (5,)
+    assert dlbridge.shared_empty((0, 3), "int8").size == 0
+    with pytest.raises(TypeError, match="dtype"):
+        dlbridge.shared_empty(3, 4)
+    with pytest.raises(ValueError, match="negative"):
+        dlbridge.shared_empty((2, -1), "float32")
+    with pytest.raises(ValueError):
+        dlbridge.shared_empty(3, "float33")
+
+
+def test_share_copies_once_and_not_when_already_shared():
+    src = bytearray(b"\x01\x02\x03\x04")
+    s = dlbridge.share(src)
+    assert bytes(memoryview(s)) == bytes(src) and s.data_ptr != dlbridge.asdlpack(src).data_ptr
+    src[0] = 9
+    assert bytes(memoryview(s))[0] == 1  # a copy
+    again = dlbridge.share(s)
+    assert again.data_ptr == s.data_ptr  # no second copy
+    assert dlbridge.share(b"\x01\x02").readonly  # read-only stays read-only
+    with pytest.raises(TypeError):
+        dlbridge.share(object())
+
+
+def test_share_of_a_view_into_shared_memory_is_not_copied():
+    np = need("numpy")
+    t = dlbridge.shared_empty((4, 6), "float64")
+    v = np.from_dlpack(t)[1:, ::2].T  # strided, offset, transposed: still inside the segment
+    s = dlbridge.share(v)
+    assert s.data_ptr == v.ctypes.data and s.strides == tuple(x // 8 for x in v.strides)
+    c = dlbridge.share(np.arange(12.0).reshape(3, 4).T)  # not shared: one C-contiguous copy
+    assert c.is_c_contiguous and np.from_dlpack(c).tolist() == np.arange(12.0).reshape(3, 4).T.tolist()
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_a_shared_pickle_is_a_small_handle(protocol):
+    t = dlbridge.shared_empty((1 << 24,), "float32")  # 64 MiB
+    p = pickle.dumps(t, protocol=protocol)
+    assert len(p) < 1024
+    u = pickle.loads(p)
+    assert u.data_ptr == t.data_ptr  # the same mapping (this process maps it once)
+    assert (u.shape, u.strides, u.dtype) == (t.shape, t.strides, t.dtype)
+
+
+def test_dropping_the_last_tensor_frees_the_segment():
+    shm_before = dev_shm()
+    t = dlbridge.shared_empty(1000, "float32")
+    ino = segment_inode(t)
+    assert holders(ino) == {os.getpid()}
+    u = pickle.loads(pickle.dumps(t))
+    del t
+    gc.collect()
+    assert holders(ino) == {os.getpid()}  # u still holds it
+    del u
+    gc.collect()
+    assert holders(ino) == set()
+    assert dev_shm() == shm_before
+
+
+# ---- other processes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_child_maps_the_same_memory(method):
+    ctx = mp.get_context(method)
+    t = dlbridge.shared_empty((2, 3), "float32")
+    floats(t)[0] = 2.5
+    q, more = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child_write, args=(t, q, more))
+    p.start()
+    try:
+        more.put(t)  # a second copy of the handle through a queue (pickled in every method)
+        seen = q.get(timeout=WAIT)
+        assert seen == ((2, 3), (3, 1), "float32", False, 0, 2.5, True)
+        assert q.get(timeout=WAIT) == "written"
+        assert floats(t)[1] == 7.0  # the child's write, seen here
+    finally:
+        reap(p)
+    assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_read_only_and_layout_survive(method):
+    np = need("numpy")
+    ctx = mp.get_context(method)
+    a = np.arange(6, dtype=np.float32)
+    a.flags.writeable = False
+    ro = dlbridge.share(a)
+    assert ro.readonly
+    q = ctx.Queue()
+    p = ctx.Process(target=child_readonly, args=(ro, q))
+    p.start()
+    try:
+        assert q.get(timeout=WAIT) in {("TypeError", True), ("BufferError", True)}
+    finally:
+        reap(p)
+    # A strided view of shared memory keeps its strides and offset through a pickle.
+    t = dlbridge.shared_empty((4, 6), "float64")
+    v = dlbridge.share(np.from_dlpack(t)[1:, ::2].T)
+    u = pickle.loads(pickle.dumps(v))
+    assert (u.shape, u.strides, u.data_ptr, u.byte_offset) == (v.shape, v.strides, v.data_ptr, v.byte_offset)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_numpy_torch_jax_read_it_in_place_in_the_child(method):
+    need("numpy")
+    ctx = mp.get_context(method)
+    t = dlbridge.shared_empty(8, "float32")
+    q = ctx.Queue()
+    p = ctx.Process(target=child_libraries, args=(t, q))
+    p.start()
+    try:
+        out = q.get(timeout=WAIT)
+    finally:
+        reap(p)
+    assert out == {lib: True for lib in ("numpy", "torch", "jax") if have(lib)}
+    assert floats(t)[2] == 3.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_process_pool_executor(method):
+    t = dlbridge.shared_empty(4, "float32")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        assert ex.submit(pool_task, t).result(timeout=WAIT) == 1.0
+    assert floats(t)[0] == 1.0
+
+
+# ---- lifetime -------------------------------------------------------------------------------------
+
+
+def test_a_sigkilled_child_leaves_nothing():
+    shm_before = dev_shm()
+    ctx = mp.get_context("spawn")
+    t = dlbridge.shared_empty(1 << 20, "float32")
+    ino = segment_inode(t)
+    q = ctx.Queue()
+    p = ctx.Process(target=child_hold_until_killed, args=(t, q))
+    p.start()
+    try:
+        pid = q.get(timeout=WAIT)
+        assert holders(ino) == {os.getpid(), pid}
+        assert floats(t)[0] == 5.0
+        del t
+        gc.collect()
+        assert holders(ino) == {pid}  # only the child keeps it now
+        os.kill(pid, signal.SIGKILL)
+        p.join(WAIT)
+        assert p.exitcode == -signal.SIGKILL
+    finally:
+        reap(p)
+    assert holders(ino) == set()
+    assert dev_shm() == shm_before
+
+
+def test_the_parent_exiting_first_leaves_nothing():
+    shm_before = dev_shm()
+    ctx = mp.get_context("spawn")
+    q, parent_gone = ctx.Queue(), ctx.Event()
+    s = ctx.Process(target=subreaper, args=(q, parent_gone))
+    s.start()
+    try:
+        _, parent_pid, child_pid, ino = q.get(timeout=WAIT)
+        # Wait for the parent to be gone (it exits right after reporting), then let the child go on.
+        for _ in range(WAIT * 100):
+            if parent_pid not in holders(ino):
+                break
+            os.sched_yield()
+        assert holders(ino) == {child_pid}  # the orphan alone keeps the memory
+        parent_gone.set()
+        assert q.get(timeout=WAIT) == ("orphan", child_pid, 41.0, 42.0)
+        assert q.get(timeout=WAIT) == ("reaped", child_pid, 0)
+    finally:
+        parent_gone.set()
+        reap(s)
+    assert s.exitcode == 0
+    assert holders(ino) == set()
+    assert dev_shm() == shm_before
+
+
+# ---- handles from elsewhere -----------------------------------------------------------------------
+
+
+def handle_of(t: dlbridge.Tensor) -> tuple:
+    f, (h,) = t.__reduce_ex__(5)
+    assert f is dlbridge._dlbridge._rebuild_shared
+    return h
+
+
+def with_field(h: tuple, part: int, i: int, value) -> tuple:
+    p = list(h[part])
+    p[i] = value
+    return tuple(tuple(p) if k == part else x for k, x in enumerate(h))
+
+
+def rebuild(h):
+    return dlbridge._dlbridge._rebuild_shared(h)
+
+
+def test_hostile_handles_are_clear_errors():
+    t = dlbridge.shared_empty((4, 4), "float32")
+    h = handle_of(t)
+    assert rebuild(h).data_ptr == t.data_ptr
+    cases = [
+        (with_field(h, 0, 0, "other"), "handle.version"),
+        (with_field(h, 0, 2, "1"), "handle.pid"),
+        (with_field(h, 0, 6, b"short"), "handle.token"),
+        (with_field(h, 0, 6, bytes(16)), "handle.token"),  # opened via /proc: the header differs
+        (with_field(h, 1, 0, 1 << 40), "handle.size"),
+        (with_field(h, 2, 1, [5, 4]), "handle.shape/strides/offsets"),
+        (with_field(h, 2, 2, [4, -1]), "handle.shape/strides/offsets"),
+        (with_field(h, 1, 1, 60), "handle.shape/strides/offsets"),
+        (with_field(h, 2, 0, (2, 33, 1)), "dtype"),
+        (with_field(h, 2, 1, [4, 4, 4]), "strides"),
+        ((h[0],), "handle"),
+        ("nonsense", "handle"),
+    ]
+    for bad, field in cases:
+        with pytest.raises(BufferError, match=f"unpickling a dlbridge Tensor: {field}"):
+            rebuild(bad)
+
+
+def test_handles_to_what_is_not_a_dlbridge_segment():
+    t = dlbridge.shared_empty(16, "uint8")
+    h = handle_of(t)
+    other = dlbridge.shared_empty(16, "uint8")
+    ho = handle_of(other)
+    # The right descriptor of another segment under this one's identity (reused number), and
+    # descriptors of things that are no segment: a pipe, a file, a memfd with dlbridge's name but
+    # no seals, one with seals and no header.
+    r, w = os.pipe()
+    f = open("/proc/self/stat", "rb")
+    plain = os.memfd_create("dlbridge-shm")
+    os.ftruncate(plain, 256 + 16)
+    sealed = os.memfd_create("dlbridge-shm", os.MFD_ALLOW_SEALING)
+    os.ftruncate(sealed, 256 + 16)
+    import fcntl
+
+    fcntl.fcntl(sealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    try:
+        fake_token = with_field(h, 0, 6, bytes(range(16)))  # not in the registry: opened for real
+        assert "handle.inode" in err(with_field(fake_token, 0, 3, ho[0][3]))
+        assert "not a dlbridge segment" in err(with_field(fake_token, 0, 3, r))
+        assert "not a dlbridge segment" in err(with_field(fake_token, 0, 3, f.fileno()))
+        st = os.fstat(plain)
+        assert "not sealed" in err(with_field(with_field(fake_token, 0, 3, plain), 0, 5, st.st_ino))
+        st = os.fstat(sealed)
+        assert "no dlbridge header" in err(with_field(with_field(fake_token, 0, 3, sealed), 0, 5, st.st_ino))
+        assert "handle.size" in err(with_field(with_field(with_field(fake_token, 0, 3, sealed), 0, 5, st.st_ino), 1, 0, 17))
+        assert "handle.fd" in err(with_field(fake_token, 0, 2, 2**31 - 1))  # no such process
+    finally:
+        for fd in (r, w, plain, sealed):
+            os.close(fd)
+        f.close()
+
+
+def err(h) -> str:
+    with pytest.raises(BufferError) as e:
+        rebuild(h)
+    return str(e.value)
+
+
+def test_a_stale_handle_is_an_error():
+    t = dlbridge.shared_empty(16, "uint8")
+    p = pickle.dumps(t)
+    del t
+    gc.collect()
+    # The descriptor is closed (or its number reused by something else): either way, refused.
+    with pytest.raises(BufferError, match="handle.fd: "):
+        pickle.loads(p)
+
+
+def test_a_stale_handle_from_an_exited_child_is_an_error():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child_pickles, args=(q,))
+    p.start()
+    try:
+        data = q.get(timeout=WAIT)
+    finally:
+        reap(p)
+    with pytest.raises(BufferError, match="handle.fd"):
+        pickle.loads(data)
+
+
+def child_pickles(q: mp.Queue) -> None:
+    q.put(pickle.dumps(dlbridge.shared_empty(16, "uint8")))
