@@ -69,9 +69,17 @@ def holders(ino: int) -> set[int]:
 
 
 def dev_shm() -> set[str]:
-    """/dev/shm's entries, less multiprocessing's own semaphores (its queues' locks)."""
-    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {n for n in names if not n.startswith("sem.mp-")}
+    """The files in /dev/shm that hold a dlbridge segment (its header's magic): there must be none,
+    ever. (Other programs on the machine may come and go there meanwhile: they are not counted.)"""
+    found = set()
+    for n in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+        try:
+            with open(os.path.join("/dev/shm", n), "rb") as f:
+                if f.read(8) == b"DLBRSHM1":
+                    found.add(n)
+        except OSError:
+            pass
+    return found
 
 
 def reap(*procs: mp.process.BaseProcess) -> None:
@@ -239,7 +247,7 @@ def test_dropping_the_last_tensor_frees_the_segment():
     del u
     gc.collect()
     assert holders(ino) == set()
-    assert dev_shm() == shm_before
+    assert dev_shm() == shm_before == set()
 
 
 # ---- other processes ------------------------------------------------------------------------------
@@ -334,7 +342,7 @@ def test_a_sigkilled_child_leaves_nothing():
     finally:
         reap(p)
     assert holders(ino) == set()
-    assert dev_shm() == shm_before
+    assert dev_shm() == shm_before == set()
 
 
 def test_the_parent_exiting_first_leaves_nothing():
@@ -359,7 +367,7 @@ def test_the_parent_exiting_first_leaves_nothing():
         reap(s)
     assert s.exitcode == 0
     assert holders(ino) == set()
-    assert dev_shm() == shm_before
+    assert dev_shm() == shm_before == set()
 
 
 # ---- handles from elsewhere -----------------------------------------------------------------------

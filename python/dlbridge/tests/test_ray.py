@@ -1,0 +1,139 @@
+"""Ray (a local cluster, `ray.init(num_cpus=2)`): a Tensor passed to a task or an actor arrives
+zero-copy from the object store (read-only, inside the store's memory, where Ray's own numpy
+arrays arrive), a shared Tensor maps the same memory in the worker (a write there is seen by the
+driver), and torch and jax read them in place in the worker.
+
+Ray is a test dependency of the main virtualenv only; elsewhere these tests skip. Every `ray.get`
+is bounded (a hung worker fails the test instead of hanging the suite).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import dlbridge
+
+from .libs import have, need
+
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="shared tensors are Linux memfds"),
+]
+
+WAIT = 300  # seconds: the most any ray.get waits (never a pass/fail bound on speed)
+
+
+@pytest.fixture(scope="module")
+def ray():
+    ray = need("ray")
+    need("numpy")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def region(addr: int) -> tuple[int, int, str]:
+    """The mapping of this process that holds `addr`: (start, end, path)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return lo, hi, parts[5] if len(parts) >= 6 else ""
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+def inspect(t: dlbridge.Tensor, a) -> dict:
+    """What a worker sees of a Tensor and of a numpy array that came with it."""
+    import numpy as np
+
+    out = {
+        "readonly": t.readonly,
+        "shape": t.shape,
+        "dtype": str(t.dtype),
+        "same_region_as_numpy": region(t.data_ptr) == region(a.ctypes.data),
+        "numpy_readonly": not a.flags.writeable,
+        "numpy_in_place": np.from_dlpack(t).ctypes.data == t.data_ptr,
+        "first": float(np.from_dlpack(t)[0]),
+    }
+    if have("torch"):
+        import torch
+
+        out["torch_in_place"] = torch.from_dlpack(t).data_ptr() == t.data_ptr
+    return out
+
+
+def write_shared(t: dlbridge.Tensor) -> dict:
+    """Writes 9.0 at index 1 of a shared tensor, and reads it in place through torch and jax."""
+    import numpy as np
+
+    np.from_dlpack(t)[1] = 9.0
+    out = {"readonly": t.readonly, "first": float(np.from_dlpack(t)[0])}
+    if have("torch"):
+        import torch
+
+        out["torch_in_place"] = torch.from_dlpack(t).data_ptr() == t.data_ptr
+    if have("jax"):
+        import jax
+
+        out["jax_in_place"] = jax.numpy.from_dlpack(t).unsafe_buffer_pointer() == t.data_ptr
+    return out
+
+
+def make_tensor(n: int) -> dlbridge.Tensor:
+    import numpy as np
+
+    return dlbridge.asdlpack(np.arange(n, dtype=np.float32))
+
+
+def test_a_tensor_arrives_zero_copy_from_the_object_store(ray):
+    np = need("numpy")
+    t = dlbridge.asdlpack(np.arange(1 << 20, dtype=np.float32) + 1)
+    a = np.zeros(1 << 20)
+    out = ray.get(ray.remote(inspect).remote(t, a), timeout=WAIT)
+    assert out["readonly"] and out["numpy_readonly"]
+    assert out["same_region_as_numpy"]  # inside the object store, where Ray's numpy arrays are
+    assert out["numpy_in_place"] and out["first"] == 1.0
+    assert out.get("torch_in_place", True)
+    assert out["shape"] == (1 << 20,) and out["dtype"] == "float32"
+
+
+def test_a_tensor_through_an_actor(ray):
+    np = need("numpy")
+
+    @ray.remote
+    class Holder:
+        def look(self, t, a):
+            return inspect(t, a)
+
+    h = Holder.remote()
+    t = dlbridge.asdlpack(np.full(1 << 18, 2.0))
+    out = ray.get(h.look.remote(t, np.zeros(1 << 18)), timeout=WAIT)
+    assert out["readonly"] and out["same_region_as_numpy"] and out["first"] == 2.0
+    ray.kill(h)
+
+
+def test_ray_get_of_a_tensor_made_in_a_task(ray):
+    np = need("numpy")
+    u = ray.get(ray.remote(make_tensor).remote(1 << 20), timeout=WAIT)
+    assert isinstance(u, dlbridge.Tensor) and u.readonly and u.shape == (1 << 20,)
+    ref = np.zeros(1 << 20, dtype=np.float32) + 3
+    r = ray.put(ref)
+    b = ray.get(r, timeout=WAIT)
+    assert region(u.data_ptr)[2] == region(b.ctypes.data)[2]  # the store, as numpy's
+    assert np.from_dlpack(u)[5] == 5.0
+
+
+def test_a_shared_tensor_maps_the_same_memory_in_a_task(ray):
+    np = need("numpy")
+    t = dlbridge.shared_empty(1 << 20, "float32")
+    np.from_dlpack(t)[0] = 4.0
+    out = ray.get(ray.remote(write_shared).remote(t), timeout=WAIT)
+    assert out["first"] == 4.0 and not out["readonly"]
+    assert np.from_dlpack(t)[1] == 9.0  # the worker's write, seen by the driver
+    assert out.get("torch_in_place", True) and out.get("jax_in_place", True)
+    # Through ray.put too: the object store holds only the handle.
+    out = ray.get(ray.remote(write_shared).remote(ray.put(t)), timeout=WAIT)
+    assert out["first"] == 4.0
