@@ -31,6 +31,8 @@ help: ## this list
 demo: $(DEMO_STAMP) ## Rust reads numpy/torch arrays and hands Rust buffers to numpy/torch/jax/tf/pyarrow
 	@echo "== 3/3 running examples/demo.py =="
 	@cd /tmp && $(PY) $(CURDIR)/examples/demo.py
+	@echo "== a Rust-made tensor read by a child process through torch, no copy: examples/demo_processes.py =="
+	@cd /tmp && $(PY) $(CURDIR)/examples/demo_processes.py
 
 demo-abi: ## the Rust-only demo: a Rust buffer through the raw C ABI and back
 	$(CARGO) run --quiet --example demo
