@@ -8,7 +8,8 @@ of the same run and print PASS or FAIL; nothing here is a timed test.
 Also: per-call cost against tensor size (1e3 to 1e8 elements) for zero-copy paths against a
 copying one, peak memory beyond the buffer when a 1e8-element tensor made in Rust is consumed by
 numpy, torch and jax (each in a fresh subprocess), and instruction counts from callgrind, which
-do not swing. Writes docs/BENCHMARKS.md and docs/bench_sizes.png.
+do not swing; and tensors sent to other processes (bench_processes.py: multiprocessing, torch's
+queue, Ray). Writes docs/BENCHMARKS.md and docs/bench_sizes.png.
 """
 
 from __future__ import annotations
@@ -192,6 +193,9 @@ def main() -> int:
     memory = peak_memory()
     counts = {} if args.no_callgrind else callgrind_counts()
     targets = evaluate(results, sweep, memory)
+    import bench_processes  # tensors to other processes (issue 23): bench/bench_processes.py
+
+    targets += bench_processes.run(quick=args.quick)[1]
 
     print("\n== targets")
     for tg in targets:
