@@ -294,6 +294,35 @@ def test_read_only_and_layout_survive(method):
     assert (u.shape, u.strides, u.data_ptr, u.byte_offset) == (v.shape, v.strides, v.data_ptr, v.byte_offset)
 
 
+def child_report(t: dlbridge.Tensor, q: mp.Queue) -> None:
+    q.put((t.byte_offset, t.shape, t.strides, list(floats(t))))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_byte_offset_survives(method):
+    """A producer's (data, byte_offset) pair into shared memory reaches the child as it was."""
+    from ._dlpack_ctypes import FakeCapsule
+
+    ctx = mp.get_context(method)
+    t = dlbridge.shared_empty(8, "float32")
+    m = floats(t)
+    for i in range(8):
+        m[i] = float(i)
+    fake = FakeCapsule(data=t.data_ptr, byte_offset=8, shape=(3,), strides=(1,), dtype=(2, 32, 1))
+    v = dlbridge.from_dlpack(fake)
+    assert v.byte_offset == 8
+    q = ctx.Queue()
+    p = ctx.Process(target=child_report, args=(v, q))
+    p.start()
+    try:
+        assert q.get(timeout=WAIT) == (8, (3,), (1,), [2.0, 3.0, 4.0])
+    finally:
+        reap(p)
+    del v
+    gc.collect()
+    assert fake.deleted == 1
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_numpy_torch_jax_read_it_in_place_in_the_child(method):
     need("numpy")
