@@ -125,9 +125,14 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 /// The segments this process maps: (start of data, data length, the segment).
-static LIVE: Mutex<Vec<(usize, usize, Weak<Segment>)>> = Mutex::new(Vec::new());
+static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
 
-fn live() -> std::sync::MutexGuard<'static, Vec<(usize, usize, Weak<Segment>)>> {
+/// A registry entry: where the data starts, its length, the segment's identity, the segment.
+/// (Nothing is upgraded and dropped under the lock: the last `Arc` dropping there would deadlock
+/// on it in `Drop`.)
+type Live = (usize, usize, SegmentId, Weak<Segment>);
+
+fn live() -> std::sync::MutexGuard<'static, Vec<Live>> {
     // A panic while holding the lock leaves the list consistent (every change is one push/remove).
     LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -216,14 +221,15 @@ impl Segment {
 
     fn register(seg: Segment) -> Arc<Segment> {
         let seg = Arc::new(seg);
-        live().push((seg.data() as usize, seg.data_len, Arc::downgrade(&seg)));
+        live().push((seg.data() as usize, seg.data_len, seg.id, Arc::downgrade(&seg)));
         seg
     }
 
     /// Maps the segment a handle names (the same `Arc` if this process maps it already), after
     /// checking that it is one of dlbridge's and that it is the one the handle describes.
     pub fn open(h: &Handle) -> Result<Arc<Segment>, ShmError> {
-        if let Some(seg) = live().iter().filter_map(|(_, _, w)| w.upgrade()).find(|s| s.id == h.id) {
+        let mapped = live().iter().find(|e| e.2 == h.id).map(|e| e.3.clone());
+        if let Some(seg) = mapped.and_then(|w| w.upgrade()) {
             return if seg.data_len as u64 == h.data_len {
                 Ok(seg)
             } else {
@@ -314,10 +320,9 @@ impl Segment {
     /// `addr` from its data.
     pub fn containing(addr: usize, len: usize) -> Option<(Arc<Segment>, usize)> {
         let end = addr.checked_add(len)?;
-        live()
-            .iter()
-            .find(|(s, l, _)| addr >= *s && end <= s + l)
-            .and_then(|(s, _, w)| Some((w.upgrade()?, addr - s)))
+        let (start, weak) =
+            live().iter().find(|(s, l, _, _)| addr >= *s && end <= s + l).map(|e| (e.0, e.3.clone()))?;
+        Some((weak.upgrade()?, addr - start))
     }
 
     /// The handle by which another process on this machine maps this segment (valid while this
@@ -431,7 +436,7 @@ impl Drop for Segment {
     fn drop(&mut self) {
         let me = self.data() as usize;
         // Out of the registry before the address range can be reused.
-        live().retain(|(s, _, w)| *s != me && w.strong_count() > 0);
+        live().retain(|(s, _, _, w)| *s != me && w.strong_count() > 0);
         // SAFETY: our own mapping, unmapped once; nothing points into it (every tensor over it
         // held an Arc, and this is the last). The descriptor closes when `file` drops.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) };

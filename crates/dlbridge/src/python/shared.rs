@@ -448,21 +448,29 @@ fn rebuild(buf: &Bound<'_, PyAny>, m: Meta, first: u64, copy: bool) -> PyResult<
     let aligned = (src.data_ptr() as usize + first as usize) % align == 0;
     if copy || !aligned {
         let mut out = AlignedBuffer::<u8>::zeroed(len as usize);
+        let dst = out.as_mut_ptr();
         {
             let _lease = src.lease(false)?;
             // SAFETY: `src` is a compact host buffer of `len` bytes (checked above) and `out` has
             // `len` bytes; a shared lease is held on the source.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src.data_ptr().cast::<u8>(), out.as_mut_ptr(), len as usize)
-            };
+            unsafe { std::ptr::copy_nonoverlapping(src.data_ptr().cast::<u8>(), dst, len as usize) };
         }
-        let shape: Vec<usize> = m.shape.iter().map(|&d| d as usize).collect();
-        let strides: Vec<isize> = m.strides.iter().map(|&s| s as isize).collect();
-        let mut t = ManagedTensor::from_host_bytes(out, m.dtype, &shape, Some(&strides), first as usize)
-            .map_err(|e| bad("shape/strides", e))?;
-        if m.flags.is_read_only() {
-            t = t.into_read_only();
+        // SAFETY: every element the layout reaches lies in the `len` bytes from `dst` (checked
+        // above against `src`, which has as many), which `out`, the owner, keeps allocated (its
+        // heap block does not move with it) and nothing else refers to.
+        let t = unsafe {
+            ManagedTensor::from_raw_parts(
+                dst.cast::<c_void>(),
+                crate::Device::CPU,
+                m.dtype,
+                &m.shape,
+                Some(&m.strides),
+                first,
+                m.flags,
+                out,
+            )
         }
+        .map_err(|e| bad("shape/strides", e))?;
         return Ok(Tensor::new(t));
     }
     let flags = m.flags.with(Flags::READ_ONLY, m.flags.is_read_only() || src.is_read_only());
