@@ -63,6 +63,8 @@ pub mod python;
 pub mod shm;
 pub mod spec;
 mod view;
+pub mod xla;
+pub mod xla_ffi;
 
 pub use device::{Device, DeviceType};
 pub use dtype::{DataType, Element, TypeCode};

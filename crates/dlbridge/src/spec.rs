@@ -240,6 +240,48 @@ impl fmt::Display for Spec {
     }
 }
 
+/// The one check pass of every typed argument, over a tensor's parts: the first field of `spec`
+/// failed (dtype, rank, extents, device, order, writability, in that order), if any. A
+/// [`ManagedTensor`] and an XLA FFI buffer ([`crate::xla`]) are both checked here.
+#[inline(always)]
+pub(crate) fn first_failure_of(
+    spec: &Spec,
+    dtype: DataType,
+    shape: &[i64],
+    device: Device,
+    c_contiguous: impl FnOnce() -> bool,
+    f_contiguous: impl FnOnce() -> bool,
+    writable: impl FnOnce() -> bool,
+) -> Option<Field> {
+    if spec.dtype.is_some_and(|d| d != dtype) {
+        return Some(Field::DType);
+    }
+    let rank = if spec.extents.is_empty() { spec.rank } else { Some(spec.extents.len()) };
+    if rank.is_some_and(|r| r != shape.len()) {
+        return Some(Field::Rank);
+    }
+    for (axis, (want, &have)) in spec.extents.iter().zip(shape).enumerate() {
+        if want.is_some_and(|w| w as i64 != have) {
+            return Some(Field::Extent { axis });
+        }
+    }
+    if !spec.device.admits(device) {
+        return Some(Field::Device);
+    }
+    let order_ok = match spec.order {
+        Order::C => c_contiguous(),
+        Order::F => f_contiguous(),
+        Order::Any => true,
+    };
+    if !order_ok {
+        return Some(Field::Order);
+    }
+    if spec.writable && !writable() {
+        return Some(Field::Writable);
+    }
+    None
+}
+
 impl ManagedTensor {
     /// Checks this tensor against `spec` in one pass: [`Error::Mismatch`] names the first field
     /// that failed (dtype, rank, extents, device, order, writability, in that order).
@@ -254,34 +296,15 @@ impl ManagedTensor {
     /// The first field of `spec` this tensor fails, if any (no allocation).
     #[inline(always)]
     pub(crate) fn first_failure(&self, spec: &Spec) -> Option<Field> {
-        if spec.dtype.is_some_and(|d| d != self.dtype()) {
-            return Some(Field::DType);
-        }
-        let shape = self.shape();
-        let rank = if spec.extents.is_empty() { spec.rank } else { Some(spec.extents.len()) };
-        if rank.is_some_and(|r| r != shape.len()) {
-            return Some(Field::Rank);
-        }
-        for (axis, (want, &have)) in spec.extents.iter().zip(shape).enumerate() {
-            if want.is_some_and(|w| w as i64 != have) {
-                return Some(Field::Extent { axis });
-            }
-        }
-        if !spec.device.admits(self.device()) {
-            return Some(Field::Device);
-        }
-        let order_ok = match spec.order {
-            Order::C => self.is_c_contiguous(),
-            Order::F => self.is_f_contiguous(),
-            Order::Any => true,
-        };
-        if !order_ok {
-            return Some(Field::Order);
-        }
-        if spec.writable && !self.is_writable() {
-            return Some(Field::Writable);
-        }
-        None
+        first_failure_of(
+            spec,
+            self.dtype(),
+            self.shape(),
+            self.device(),
+            || self.is_c_contiguous(),
+            || self.is_f_contiguous(),
+            || self.is_writable(),
+        )
     }
 
     /// Whether typed mutable access may be given: not read-only, and no two elements may share

@@ -44,6 +44,20 @@ pub struct SliceMut<'a, T> {
     _lease: Lease,
 }
 
+impl<'a, T> SliceRef<'a, T> {
+    /// A guard over `slice` holding `lease` (the XLA FFI views, [`crate::xla`], make theirs here).
+    pub(crate) fn from_lease(slice: &'a [T], lease: Lease) -> Self {
+        Self { slice, _lease: lease }
+    }
+}
+
+impl<'a, T> SliceMut<'a, T> {
+    /// A guard over `slice` holding `lease` (the XLA FFI views make theirs here).
+    pub(crate) fn from_lease(slice: &'a mut [T], lease: Lease) -> Self {
+        Self { slice, _lease: lease }
+    }
+}
+
 impl<T> Deref for SliceRef<'_, T> {
     type Target = [T];
     fn deref(&self) -> &[T] {

@@ -25,6 +25,7 @@ mod exchange;
 mod fastcall;
 mod framework;
 mod import;
+mod kernel;
 mod numpy;
 mod protocols;
 mod release;
@@ -45,6 +46,7 @@ pub use capsule::{
 pub use exchange::{EXCHANGE_API_CAPSULE, ExchangeApi, TENSOR_EXCHANGE_API};
 pub use framework::{Framework, Output};
 pub use import::{ImportOptions, from_dlpack_with};
+pub use kernel::{KernelDef, add_kernel, xla_capsule};
 pub use protocols::{AnyTensor, PyOwner, asdlpack_with};
 pub use tensor::Tensor;
 pub use typed::{HostSpec, TensorMut, TensorRef};

@@ -1,0 +1,597 @@
+//! The XLA FFI handler layer (`dlbridge::xla`) over call frames built here, as XLA builds them,
+//! and malformed ones: every refusal is an XLA FFI error (never a crash), panics are caught,
+//! typed views follow the borrow rules. Runs under Miri (`make miri`).
+
+use std::ffi::{CStr, c_char, c_void};
+use std::ptr::{null, null_mut};
+
+use dlbridge::spec::{Cuda, Dim, Rank};
+use dlbridge::xla::FfiError;
+use dlbridge::xla_ffi::*;
+
+// --- a fake XLA: an API table whose errors are boxed (code, message) ---
+
+struct FakeError {
+    code: XLA_FFI_Error_Code,
+    message: std::ffi::CString,
+}
+
+unsafe extern "C" fn error_create(args: *mut XLA_FFI_Error_Create_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler layer passes valid arguments with a NUL-terminated message.
+    let args = unsafe { &*args };
+    assert!(args.struct_size >= XLA_FFI_Error_Create_Args_STRUCT_SIZE);
+    // SAFETY: as above.
+    let message = unsafe { CStr::from_ptr(args.message) }.to_owned();
+    Box::into_raw(Box::new(FakeError { code: args.errc, message })).cast()
+}
+
+unsafe extern "C" fn error_get_message(args: *mut XLA_FFI_Error_GetMessage_Args) {
+    // SAFETY: an error made by error_create.
+    unsafe { (*args).message = (*(*args).error.cast::<FakeError>()).message.as_ptr() };
+}
+
+unsafe extern "C" fn error_destroy(args: *mut XLA_FFI_Error_Destroy_Args) {
+    // SAFETY: an error made by error_create, freed once.
+    drop(unsafe { Box::from_raw((*args).error.cast::<FakeError>()) });
+}
+
+unsafe extern "C" fn stream_get(args: *mut XLA_FFI_Stream_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid arguments from the handler layer.
+    unsafe { (*args).stream = std::ptr::without_provenance_mut(0x5eed) };
+    null_mut()
+}
+
+unsafe extern "C" fn device_ordinal_get(args: *mut XLA_FFI_DeviceOrdinal_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid arguments from the handler layer.
+    unsafe { (*args).device_ordinal = 1 };
+    null_mut()
+}
+
+fn api(major: i32) -> XLA_FFI_Api {
+    XLA_FFI_Api {
+        struct_size: XLA_FFI_Api_STRUCT_SIZE,
+        extension_start: null_mut(),
+        api_version: XLA_FFI_Api_Version {
+            struct_size: XLA_FFI_Api_Version_STRUCT_SIZE,
+            extension_start: null_mut(),
+            major_version: major,
+            minor_version: 3,
+        },
+        internal_api: null(),
+        XLA_FFI_Error_Create: Some(error_create),
+        XLA_FFI_Error_GetMessage: Some(error_get_message),
+        XLA_FFI_Error_Destroy: Some(error_destroy),
+        XLA_FFI_Handler_Register: null(),
+        XLA_FFI_Stream_Get: Some(stream_get),
+        XLA_FFI_Type_Register: null(),
+        XLA_FFI_ExecutionContext_Get: null(),
+        XLA_FFI_State_Set: null(),
+        XLA_FFI_State_Get: null(),
+        XLA_FFI_DeviceMemory_Allocate: null(),
+        XLA_FFI_DeviceMemory_Free: null(),
+        XLA_FFI_ThreadPool_Schedule: null(),
+        XLA_FFI_ThreadPool_NumThreads: null(),
+        XLA_FFI_Future_Create: null(),
+        XLA_FFI_Future_SetAvailable: null(),
+        XLA_FFI_Future_SetError: null(),
+        XLA_FFI_RunId_Get: null(),
+        XLA_FFI_DeviceOrdinal_Get: Some(device_ordinal_get),
+    }
+}
+
+/// What a handler returned: Ok, or the error's code and message (the error freed).
+fn outcome(err: *mut XLA_FFI_Error) -> Result<(), (XLA_FFI_Error_Code, String)> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: made by error_create, freed here once.
+    let e = unsafe { Box::from_raw(err.cast::<FakeError>()) };
+    Err((e.code, e.message.to_string_lossy().into_owned()))
+}
+
+// --- call frames, as XLA lays them out ---
+
+struct Buf {
+    dims: Vec<i64>,
+    raw: XLA_FFI_Buffer,
+}
+
+fn buf(dtype: XLA_FFI_DataType, data: *mut c_void, dims: &[i64]) -> Buf {
+    let mut b = Buf {
+        dims: dims.to_vec(),
+        raw: XLA_FFI_Buffer {
+            struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
+            extension_start: null_mut(),
+            dtype,
+            data,
+            rank: dims.len() as i64,
+            dims: null_mut(),
+        },
+    };
+    b.raw.dims = b.dims.as_mut_ptr();
+    b
+}
+
+struct Attr {
+    name: Box<XLA_FFI_ByteSpan>,
+    kind: XLA_FFI_AttrType,
+    value: *mut c_void,
+    /// Frees what `value` points to.
+    free: Box<dyn FnMut()>,
+}
+
+impl Drop for Attr {
+    fn drop(&mut self) {
+        (self.free)();
+    }
+}
+
+/// A frame and everything it points to (kept alive by the struct).
+struct Frame {
+    api: Box<XLA_FFI_Api>,
+    args: Vec<Buf>,
+    rets: Vec<Buf>,
+    arg_types: Vec<XLA_FFI_ArgType>,
+    ret_types: Vec<XLA_FFI_RetType>,
+    arg_ptrs: Vec<*mut c_void>,
+    ret_ptrs: Vec<*mut c_void>,
+    attr_types: Vec<XLA_FFI_AttrType>,
+    attr_names: Vec<*mut XLA_FFI_ByteSpan>,
+    attr_ptrs: Vec<*mut c_void>,
+    attrs: Vec<Attr>,
+    frame: XLA_FFI_CallFrame,
+}
+
+impl Frame {
+    fn new(args: Vec<Buf>, rets: Vec<Buf>, attrs: Vec<Attr>) -> Box<Self> {
+        let mut f = Box::new(Frame {
+            api: Box::new(api(XLA_FFI_API_MAJOR)),
+            arg_types: vec![XLA_FFI_ArgType::BUFFER; args.len()],
+            ret_types: vec![XLA_FFI_RetType::BUFFER; rets.len()],
+            args,
+            rets,
+            arg_ptrs: vec![],
+            ret_ptrs: vec![],
+            attr_types: vec![],
+            attr_names: vec![],
+            attr_ptrs: vec![],
+            attrs,
+            // SAFETY: all-zero is a valid (NULL-filled) frame, filled in by link().
+            frame: unsafe { std::mem::zeroed() },
+        });
+        f.link();
+        f
+    }
+
+    /// Points the frame at its parts (again, after a test changed them).
+    fn link(&mut self) {
+        self.arg_ptrs = self.args.iter_mut().map(|b| (&raw mut b.raw).cast()).collect();
+        self.ret_ptrs = self.rets.iter_mut().map(|b| (&raw mut b.raw).cast()).collect();
+        self.attr_types = self.attrs.iter().map(|a| a.kind).collect();
+        self.attr_names = self.attrs.iter_mut().map(|a| &raw mut *a.name).collect();
+        self.attr_ptrs = self.attrs.iter().map(|a| a.value).collect();
+        self.frame = XLA_FFI_CallFrame {
+            struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
+            extension_start: null_mut(),
+            api: (&raw mut *self.api).cast_const(),
+            ctx: null_mut(),
+            stage: XLA_FFI_ExecutionStage::EXECUTE,
+            args: XLA_FFI_Args {
+                struct_size: XLA_FFI_Args_STRUCT_SIZE,
+                extension_start: null_mut(),
+                size: self.args.len() as i64,
+                types: self.arg_types.as_mut_ptr(),
+                args: self.arg_ptrs.as_mut_ptr(),
+            },
+            rets: XLA_FFI_Rets {
+                struct_size: XLA_FFI_Rets_STRUCT_SIZE,
+                extension_start: null_mut(),
+                size: self.rets.len() as i64,
+                types: self.ret_types.as_mut_ptr(),
+                rets: self.ret_ptrs.as_mut_ptr(),
+            },
+            attrs: XLA_FFI_Attrs {
+                struct_size: XLA_FFI_Attrs_STRUCT_SIZE,
+                extension_start: null_mut(),
+                size: self.attrs.len() as i64,
+                types: self.attr_types.as_mut_ptr(),
+                names: self.attr_names.as_mut_ptr(),
+                attrs: self.attr_ptrs.as_mut_ptr(),
+            },
+            future: null_mut(),
+        };
+    }
+
+    /// Operand `i`'s struct, reached through the pointer the frame holds (so writing it keeps the
+    /// frame's pointers valid under Stacked Borrows).
+    fn arg(&mut self, i: usize) -> &mut XLA_FFI_Buffer {
+        // SAFETY: a pointer link() derived from a live box of self.
+        unsafe { &mut *self.arg_ptrs[i].cast::<XLA_FFI_Buffer>() }
+    }
+
+    /// Result `i`'s struct, as arg().
+    fn ret(&mut self, i: usize) -> &mut XLA_FFI_Buffer {
+        // SAFETY: as in arg().
+        unsafe { &mut *self.ret_ptrs[i].cast::<XLA_FFI_Buffer>() }
+    }
+
+    fn call(&mut self, h: XLA_FFI_Handler) -> Result<(), (XLA_FFI_Error_Code, String)> {
+        // SAFETY: a frame whose every pointer points into self, alive for the call.
+        outcome(unsafe { h(&raw mut self.frame) })
+    }
+}
+
+fn span(s: &'static str) -> Box<XLA_FFI_ByteSpan> {
+    Box::new(XLA_FFI_ByteSpan { ptr: s.as_ptr().cast::<c_char>(), len: s.len() })
+}
+
+fn scalar<T: Copy + 'static>(name: &'static str, dtype: XLA_FFI_DataType, v: T) -> Attr {
+    let value = Box::into_raw(Box::new(v));
+    let s = Box::into_raw(Box::new(XLA_FFI_Scalar { dtype, value: value.cast() }));
+    let free = Box::new(move || {
+        // SAFETY: made by Box::into_raw above, freed once (on drop).
+        drop(unsafe { (Box::from_raw(s), Box::from_raw(value)) });
+    });
+    Attr { name: span(name), kind: XLA_FFI_AttrType::SCALAR, value: s.cast(), free }
+}
+
+fn string(name: &'static str, v: &'static str) -> Attr {
+    let s = Box::into_raw(span(v));
+    // SAFETY: made by Box::into_raw above, freed once (on drop).
+    let free = Box::new(move || drop(unsafe { Box::from_raw(s) }));
+    Attr { name: span(name), kind: XLA_FFI_AttrType::STRING, value: s.cast(), free }
+}
+
+fn f32s(v: &mut [f32]) -> *mut c_void {
+    v.as_mut_ptr().cast()
+}
+
+// --- handlers ---
+
+dlbridge::xla_handler! {
+    /// `out = a * x + y`, float32 vectors.
+    fn saxpy(call) {
+        let a: f32 = call.attr("a")?;
+        let x = call.input::<f32, Rank<1>>(0, "x")?;
+        let y = call.input::<f32, Rank<1>>(1, "y")?;
+        let mut out = call.output::<f32, Rank<1>>(0, "out")?;
+        let (x, y) = (x.as_slice()?, y.as_slice()?);
+        for ((o, x), y) in out.as_slice_mut()?.iter_mut().zip(x.iter()).zip(y.iter()) {
+            *o = a * x + y;
+        }
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// In place: result 0 aliases operand 1; reads x, reads and writes the result.
+    fn saxpy_inplace(call) {
+        let a: f32 = call.attr("a")?;
+        let x = call.input::<f32, Rank<1>>(0, "x")?;
+        let mut y = call.output::<f32, Rank<1>>(0, "y")?;
+        let x = x.as_slice()?;
+        for (y, x) in y.as_slice_mut()?.iter_mut().zip(x.iter()) {
+            *y += a * x;
+        }
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Wrong on purpose: reads operand 1 while writing result 0 (which aliases it).
+    fn saxpy_reads_aliased(call) {
+        let y_in = call.input::<f32, Rank<1>>(1, "y_in")?;
+        let mut y = call.output::<f32, Rank<1>>(0, "y")?;
+        let r = y_in.as_slice()?;
+        let mut w = y.as_slice_mut()?;
+        w[0] = r[0];
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Reads attributes of every kind and checks a fixed-extent shape.
+    fn attrs(call) {
+        let eps: f64 = call.attr("eps")?;
+        let n: i64 = call.attr("n")?;
+        let flag: bool = call.attr("flag")?;
+        let mode: &str = call.attr("mode")?;
+        let mut out = call.output::<f64, (Dim<4>,)>(0, "out")?;
+        out.as_slice_mut()?.copy_from_slice(&[eps, n as f64, f64::from(u8::from(flag)), mode.len() as f64]);
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Panics.
+    fn panics(_call) {
+        panic!("kernel bug")
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Returns its own error.
+    fn refuses(_call) {
+        Err(FfiError::invalid_argument("x: must be sorted"))
+    }
+}
+
+dlbridge::xla_handler! {
+    /// A CUDA handler: reports the stream and device it was given (no memory touched).
+    cuda fn on_cuda(call) {
+        let stream = call.stream()?;
+        let x = call.input_any(0, "x")?.typed::<f32, Rank<1>, Cuda>()?;
+        if call.input::<f32, Rank<1>>(0, "x").is_ok() {
+            return Err(FfiError::invalid_argument("a cuda buffer passed as a cpu one"));
+        }
+        if stream as usize != 0x5eed || call.device().to_string() != "cuda:1" || x.as_slice().is_ok() {
+            return Err(FfiError::invalid_argument("wrong stream, device, or a host slice of device memory"));
+        }
+        Ok(())
+    }
+}
+
+fn saxpy_frame(x: &mut [f32], y: &mut [f32], out: &mut [f32]) -> Box<Frame> {
+    let n = x.len() as i64;
+    Frame::new(
+        vec![buf(XLA_FFI_DataType::F32, f32s(x), &[n]), buf(XLA_FFI_DataType::F32, f32s(y), &[n])],
+        vec![buf(XLA_FFI_DataType::F32, f32s(out), &[n])],
+        vec![scalar("a", XLA_FFI_DataType::F32, 2.0f32)],
+    )
+}
+
+fn invalid(r: Result<(), (XLA_FFI_Error_Code, String)>, words: &[&str]) {
+    let (code, message) = r.expect_err("refused");
+    assert_eq!(code, XLA_FFI_Error_Code::INVALID_ARGUMENT, "{message}");
+    for w in words {
+        assert!(message.contains(w), "{message:?} lacks {w:?}");
+    }
+}
+
+// --- tests ---
+
+#[test]
+fn a_handler_computes_into_its_result() {
+    let (mut x, mut y, mut out) = ([1.0f32, 2.0, 3.0], [10.0f32, 20.0, 30.0], [0.0f32; 3]);
+    let mut f = saxpy_frame(&mut x, &mut y, &mut out);
+    f.call(saxpy).unwrap();
+    drop(f);
+    assert_eq!(out, [12.0, 24.0, 36.0]);
+}
+
+#[test]
+fn an_in_place_handler_writes_its_aliased_result() {
+    let (mut x, mut y) = ([1.0f32, 2.0], [10.0f32, 20.0]);
+    let yp = f32s(&mut y);
+    // Result 0 is operand 1's memory, as XLA passes an input_output_aliases pair.
+    let mut f = Frame::new(
+        vec![buf(XLA_FFI_DataType::F32, f32s(&mut x), &[2]), buf(XLA_FFI_DataType::F32, yp, &[2])],
+        vec![buf(XLA_FFI_DataType::F32, yp, &[2])],
+        vec![scalar("a", XLA_FFI_DataType::F32, 3.0f32)],
+    );
+    f.call(saxpy_inplace).unwrap();
+    // Reading the aliased operand while writing the result is refused, not undefined behaviour.
+    let (code, message) = f.call(saxpy_reads_aliased).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::FAILED_PRECONDITION, "{message}");
+    assert!(message.starts_with("saxpy_reads_aliased: y: "), "{message}");
+    drop(f);
+    assert_eq!(y, [13.0, 26.0]);
+}
+
+#[test]
+fn refusals_name_the_argument() {
+    let (mut x, mut y, mut out) = ([1.0f32; 3], [1.0f32; 3], [0.0f32; 3]);
+    let mut f = saxpy_frame(&mut x, &mut y, &mut out);
+    f.arg(1).dtype = XLA_FFI_DataType::F64;
+    invalid(f.call(saxpy), &["saxpy: y: expected float32 1-d", "got float64"]);
+    drop(f);
+    let mut f = Frame::new(
+        vec![
+            buf(XLA_FFI_DataType::F32, f32s(&mut x), &[3, 1]),
+            buf(XLA_FFI_DataType::F32, f32s(&mut y), &[3]),
+        ],
+        vec![buf(XLA_FFI_DataType::F32, f32s(&mut out), &[3])],
+        vec![scalar("a", XLA_FFI_DataType::F32, 2.0f32)],
+    );
+    invalid(f.call(saxpy), &["saxpy: x: expected float32 1-d", "(3, 1)"]);
+}
+
+#[test]
+fn attributes_are_read_by_name_and_type() {
+    let mut out = [0.0f64; 4];
+    let mut f = Frame::new(
+        vec![],
+        vec![buf(XLA_FFI_DataType::F64, out.as_mut_ptr().cast(), &[4])],
+        vec![
+            scalar("eps", XLA_FFI_DataType::F64, 0.5f64),
+            string("mode", "fast"),
+            scalar("n", XLA_FFI_DataType::S64, 7i64),
+            scalar("flag", XLA_FFI_DataType::PRED, 1u8),
+        ],
+    );
+    f.call(attrs).unwrap();
+    assert_eq!(out, [0.5, 7.0, 1.0, 4.0]);
+    // eps as float32: a type error naming the attribute.
+    f.attrs[0] = scalar("eps", XLA_FFI_DataType::F32, 0.5f32);
+    f.link();
+    invalid(f.call(attrs), &["attribute eps: expected a f64 scalar, got float32"]);
+    // A bool that is not 0 or 1.
+    f.attrs[0] = scalar("eps", XLA_FFI_DataType::F64, 0.5f64);
+    f.attrs[3] = scalar("flag", XLA_FFI_DataType::PRED, 7u8);
+    f.link();
+    invalid(f.call(attrs), &["attribute flag: a bool of byte 7"]);
+    // Missing.
+    f.attrs.truncate(2);
+    f.link();
+    invalid(f.call(attrs), &["attribute n: missing (the call has eps, mode)"]);
+    // A fixed extent.
+    f.attrs.push(scalar("n", XLA_FFI_DataType::S64, 7i64));
+    f.attrs.push(scalar("flag", XLA_FFI_DataType::PRED, 0u8));
+    f.link();
+    // SAFETY: the result's one extent, through the frame's pointer.
+    unsafe { *f.ret(0).dims = 3 };
+    invalid(f.call(attrs), &["attrs: out: expected writable float64 (4,)", "got float64 (3,)"]);
+}
+
+#[test]
+fn panics_and_errors_become_xla_errors() {
+    let mut f = Frame::new(vec![], vec![], vec![]);
+    let (code, message) = f.call(panics).unwrap_err();
+    assert_eq!((code, message.as_str()), (XLA_FFI_Error_Code::INTERNAL, "panics: panicked: kernel bug"));
+    invalid(f.call(refuses), &["refuses: x: must be sorted"]);
+}
+
+#[test]
+fn malformed_frames_are_errors() {
+    let (mut x, mut y, mut out) = ([1.0f32; 3], [1.0f32; 3], [0.0f32; 3]);
+    let xp = f32s(&mut x);
+    let mut f = Frame::new(
+        vec![buf(XLA_FFI_DataType::F32, xp, &[3]), buf(XLA_FFI_DataType::F32, f32s(&mut y), &[3])],
+        vec![buf(XLA_FFI_DataType::F32, f32s(&mut out), &[3])],
+        vec![scalar("a", XLA_FFI_DataType::F32, 2.0f32)],
+    );
+    // Too few operands, a negative count, no arrays.
+    f.frame.args.size = 1;
+    invalid(f.call(saxpy), &["saxpy: y: no operand 1 (the call has 1)"]);
+    f.frame.args.size = -1;
+    invalid(f.call(saxpy), &["args: size -1"]);
+    f.frame.args.size = 2;
+    let types = f.frame.args.types;
+    f.frame.args.types = null_mut();
+    invalid(f.call(saxpy), &["args: 2 entries without"]);
+    f.frame.args.types = types;
+    // A NULL buffer, an unknown kind, a buffer of an older (smaller) layout.
+    let args = f.frame.args.args;
+    // SAFETY: the frame's operand array (2 entries), written through its own pointer.
+    let first = unsafe { args.read() };
+    // SAFETY: as above.
+    unsafe { args.write(null_mut()) };
+    invalid(f.call(saxpy), &["x: operand 0 is a NULL"]);
+    // SAFETY: as above.
+    unsafe { args.write(first) };
+    // SAFETY: the frame's kind array, as above.
+    unsafe { types.write(XLA_FFI_ArgType(9)) };
+    invalid(f.call(saxpy), &["x: operand 0 is of kind 9"]);
+    // SAFETY: as above.
+    unsafe { types.write(XLA_FFI_ArgType::BUFFER) };
+    f.arg(0).struct_size = 16;
+    invalid(f.call(saxpy), &["x: buffer struct_size 16"]);
+    f.arg(0).struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    // Rank, extents, data, element type.
+    f.arg(0).rank = 65;
+    invalid(f.call(saxpy), &["x: rank 65"]);
+    f.arg(0).rank = 1;
+    let dims = f.arg(0).dims;
+    f.arg(0).dims = null_mut();
+    invalid(f.call(saxpy), &["x: rank 1 with NULL"]);
+    f.arg(0).dims = dims;
+    // SAFETY: the operand's one extent, through its own pointer.
+    unsafe { dims.write(-3) };
+    invalid(f.call(saxpy), &["x: negative extent -3"]);
+    // SAFETY: as above.
+    unsafe { dims.write(i64::MAX) };
+    invalid(f.call(saxpy), &["exceed the address space"]);
+    // SAFETY: as above.
+    unsafe { dims.write(3) };
+    f.arg(0).data = null_mut();
+    invalid(f.call(saxpy), &["x: 3 elements at address 0x0"]);
+    f.arg(0).data = xp.cast::<u8>().wrapping_add(1).cast();
+    invalid(f.call(saxpy), &["x: data", "is not aligned for float32"]);
+    f.arg(0).data = xp;
+    f.arg(0).dtype = XLA_FFI_DataType(99);
+    invalid(f.call(saxpy), &["x: XLA element type 99"]);
+    f.arg(0).dtype = XLA_FFI_DataType::F32;
+    // An old call frame, an older attribute list, the wrong stage.
+    f.frame.struct_size = 100;
+    invalid(f.call(saxpy), &["saxpy: call frame of 100 bytes"]);
+    f.frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+    f.frame.attrs.struct_size = 8;
+    invalid(f.call(saxpy), &["attrs: struct_size 8"]);
+    f.frame.attrs.struct_size = XLA_FFI_Attrs_STRUCT_SIZE;
+    f.frame.stage = XLA_FFI_ExecutionStage::PREPARE;
+    invalid(f.call(saxpy), &["execution stage 1"]);
+    f.frame.stage = XLA_FFI_ExecutionStage::EXECUTE;
+    f.call(saxpy).unwrap();
+    drop(f);
+    assert_eq!(out, [3.0; 3]);
+}
+
+#[test]
+fn the_api_version_is_checked_and_an_unusable_table_is_left_alone() {
+    let (mut x, mut y, mut out) = ([1.0f32; 3], [1.0f32; 3], [0.0f32; 3]);
+    let mut f = saxpy_frame(&mut x, &mut y, &mut out);
+    let table = f.frame.api.cast_mut();
+    // SAFETY: the frame's table, written through the frame's own pointer.
+    unsafe { *table = api(1) };
+    let (code, message) = f.call(saxpy).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::FAILED_PRECONDITION);
+    assert!(message.contains("XLA FFI API 1.3 (this handler implements 0.3)"), "{message}");
+    // No table, or one too small to make an error with: nothing is touched, NULL comes back.
+    // SAFETY: as above.
+    unsafe { (*table).struct_size = 16 };
+    f.call(saxpy).unwrap();
+    f.frame.api = null();
+    f.call(saxpy).unwrap();
+    drop(f);
+    assert_eq!(out, [0.0; 3]);
+    // SAFETY: NULL is handled before anything is read.
+    assert!(unsafe { saxpy(null_mut()) }.is_null());
+}
+
+#[test]
+fn the_metadata_query_gets_the_api_version() {
+    let mut f = Frame::new(vec![], vec![], vec![]);
+    let metadata = Box::into_raw(Box::new(XLA_FFI_Metadata {
+        struct_size: XLA_FFI_Metadata_STRUCT_SIZE,
+        api_version: XLA_FFI_Api_Version {
+            struct_size: 0,
+            extension_start: null_mut(),
+            major_version: -1,
+            minor_version: -1,
+        },
+        traits: 99,
+        state_type_id: XLA_FFI_TypeId { type_id: 0 },
+    }));
+    let mut ext = XLA_FFI_Metadata_Extension {
+        extension_base: XLA_FFI_Extension_Base {
+            struct_size: XLA_FFI_Metadata_Extension_STRUCT_SIZE,
+            type_: XLA_FFI_Extension_Type::METADATA,
+            next: null_mut(),
+        },
+        metadata,
+    };
+    f.frame.extension_start = (&raw mut ext).cast();
+    // The body never runs (it would panic).
+    f.call(panics).unwrap();
+    // SAFETY: the box made above, read and written only through `metadata`.
+    let m = unsafe { &mut *metadata };
+    assert_eq!((m.api_version.major_version, m.api_version.minor_version), (0, 3));
+    assert_eq!(m.api_version.struct_size, XLA_FFI_Api_Version_STRUCT_SIZE);
+    assert_eq!(m.traits, 0);
+    m.struct_size = 8;
+    invalid(f.call(panics), &["panics: metadata of 8 bytes"]);
+    // SAFETY: made by Box::into_raw above, freed once.
+    drop(unsafe { Box::from_raw(metadata) });
+}
+
+#[test]
+fn a_cuda_handler_gets_the_stream_and_device_of_the_call() {
+    let mut f = Frame::new(
+        vec![buf(XLA_FFI_DataType::F32, std::ptr::without_provenance_mut(0x1000), &[4])],
+        vec![],
+        vec![],
+    );
+    f.call(on_cuda).unwrap();
+}
+
+#[test]
+fn xla_element_types_map_to_dlpack() {
+    use dlbridge::DataType;
+    use dlbridge::xla::data_type;
+    assert_eq!(data_type(XLA_FFI_DataType::F32), Some(DataType::FLOAT32));
+    assert_eq!(data_type(XLA_FFI_DataType::BF16), Some(DataType::BFLOAT16));
+    assert_eq!(data_type(XLA_FFI_DataType::PRED), Some(DataType::BOOL));
+    assert_eq!(data_type(XLA_FFI_DataType::C128), Some(DataType::COMPLEX128));
+    assert_eq!(data_type(XLA_FFI_DataType::TOKEN), None);
+    assert_eq!(data_type(XLA_FFI_DataType(1000)), None);
+}

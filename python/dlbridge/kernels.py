@@ -1,0 +1,491 @@
+"""One kernel, every mode: eager, inside ``jax.jit``, inside ``torch.compile``.
+
+``kernel(fn, ...)`` wraps an extension's function (typically a ``#[pyfunction]`` taking typed
+arguments) into one callable that
+
+- called eagerly (numpy, torch, jax arrays, anything dlbridge imports) calls ``fn`` directly;
+- called with jax tracers (inside ``jax.jit``, ``jax.vmap``, ``jax.grad``) lowers to an XLA FFI
+  custom call of the handler ``ffi`` (a capsule the extension exports), its result shape and dtype
+  taken from the declared output rule ``out``;
+- called inside ``torch.compile`` (or eagerly on torch tensors that need a gradient) goes through a
+  ``torch.library.custom_op`` whose fake implementation follows the same rule, so dynamo traces it
+  without a graph break.
+
+Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit``) and torch
+``float``/``int``/``bool`` arguments; every other parameter is a tensor. Parameters named in
+``mutates`` are written in place: torch sees them as ``mutates_args``; XLA, being functional, gets
+the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
+returns its new value (the handler reads and writes the aliased output buffer).
+
+``backward`` names the gradient: ``(kernel, args, grads)``, where ``args`` are names among the
+parameters, ``"out"`` (the result) and ``"grad"`` (the result's cotangent), and ``grads`` the
+tensor parameters the backward kernel returns gradients for (one result, or a tuple in that
+order); or any callable ``backward(named: dict) -> dict`` mapping parameter names to gradients.
+``jax.grad`` uses it through ``jax.custom_vjp``, torch autograd through
+``torch.library.register_autograd``.
+
+Importing this module imports no array library: torch and jax are used only once the caller has
+imported them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["Kernel", "kernel"]
+
+# Scalar attribute types: numpy scalar type names, and the torch schema type of each.
+_ATTR_SCHEMA = {
+    "float32": "float",
+    "float64": "float",
+    "int32": "int",
+    "int64": "int",
+    "bool": "bool",
+}
+_NAMESPACE = "dlbridge_kernels"
+_EMPTY = inspect.Parameter.empty
+_UNSET = object()
+
+# What each argument type is, found once per type: 0 plain, 1 a jax tracer, 2 a torch tensor,
+# 4 a torch tensor subclass.
+_ROUTE: dict[type, int] = {}
+# FFI targets already registered with jax (name -> capsule), and every kernel made so far (their
+# torch ops are made once torch is imported).
+_JAX_TARGETS: dict[str, Any] = {}
+_PENDING_TORCH: list[Kernel] = []
+
+
+def _route_of(tp: type) -> int:
+    route = 0
+    jax = sys.modules.get("jax")
+    if jax is not None and issubclass(tp, jax.core.Tracer):
+        route = 1
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(tp, torch.Tensor):
+        # Plain tensors (and parameters) are called eagerly; subclasses (fake and functional
+        # tensors while torch.compile's AOTAutograd traces a backward, user subclasses) always
+        # go through the custom op.
+        route = 2 if tp is torch.Tensor or tp is torch.nn.Parameter else 4
+    if route or (jax is not None and torch is not None):
+        # Once both frameworks are loaded the answer cannot change.
+        _ROUTE[tp] = route
+    return route
+
+
+class _Out:
+    """The output rule: like a tensor parameter, or a callable over the tensor arguments."""
+
+    __slots__ = ("like", "rule")
+
+    def __init__(self, like: int | None, rule: Callable[..., tuple[Sequence[int], str]] | None):
+        self.like = like
+        self.rule = rule
+
+
+class Kernel:
+    """A kernel callable in every mode (see the module's documentation)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        out: str | Callable[..., tuple[Sequence[int], str]] | None = _UNSET,  # type: ignore[assignment]
+        attrs: Mapping[str, str] | None = None,
+        mutates: Sequence[str] = (),
+        ffi: Any = None,
+        backward: Any = None,
+        vmap_method: str = "sequential",
+    ) -> None:
+        self._fn = fn
+        self.__name__ = name or getattr(fn, "__name__", "kernel")
+        self.__qualname__ = self.__name__
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn
+        module = getattr(fn, "__module__", None) or "extension"
+        self.__module__ = module
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"kernel: cannot read the parameters of {fn!r} ({e})") from None
+        self._params: tuple[str, ...] = tuple(sig.parameters)
+        self._defaults: tuple[Any, ...] = tuple(p.default for p in sig.parameters.values())
+        self._index = {n: i for i, n in enumerate(self._params)}
+        attrs = dict(attrs or {})
+        for n, t in attrs.items():
+            if n not in self._index:
+                raise ValueError(f"kernel {self.__name__}: attrs names {n!r}, not a parameter")
+            if t not in _ATTR_SCHEMA:
+                raise ValueError(
+                    f"kernel {self.__name__}: attribute {n!r} has type {t!r} "
+                    f"(allowed: {', '.join(_ATTR_SCHEMA)})"
+                )
+        self._attrs = attrs
+        self._tensor_idx = tuple(i for i, n in enumerate(self._params) if n not in attrs)
+        self._attr_idx = tuple(i for i, n in enumerate(self._params) if n in attrs)
+        for n in mutates:
+            if n not in self._index or n in attrs:
+                raise ValueError(f"kernel {self.__name__}: mutates names {n!r}, not a tensor parameter")
+        self._mutates = tuple(mutates)
+        self._mutated_idx = self._index[mutates[0]] if mutates else None
+        if out is _UNSET:
+            out = None if mutates else self._params[self._tensor_idx[0]]
+        if out is None:
+            if not mutates:
+                raise ValueError(f"kernel {self.__name__}: a kernel that writes no argument needs out=")
+            self._out = _Out(self._mutated_idx, None)
+            self._returns = False
+        elif callable(out):
+            self._out = _Out(None, out)
+            self._returns = True
+        else:
+            like = out.removeprefix("like ").strip()
+            if like not in self._index or like in attrs:
+                raise ValueError(f"kernel {self.__name__}: out={out!r} names no tensor parameter")
+            self._out = _Out(self._index[like], None)
+            self._returns = True
+        if mutates and self._returns and self._out.like != self._mutated_idx:
+            raise ValueError(f"kernel {self.__name__}: an in-place kernel's result is its argument {mutates[0]!r}")
+        self._ffi = ffi
+        self._target = re.sub(r"[^0-9A-Za-z_.]", "_", f"dlbridge.{module}.{self.__name__}")
+        if backward is not None and not callable(backward):
+            bk, bargs, bgrads = backward
+            for n in bargs:
+                if n not in self._index and n not in ("out", "grad"):
+                    raise ValueError(f"kernel {self.__name__}: backward argument {n!r} is unknown")
+            for n in bgrads:
+                if n not in self._index or n in attrs:
+                    raise ValueError(f"kernel {self.__name__}: backward gradient {n!r} is no tensor parameter")
+            backward = (bk, tuple(bargs), tuple(bgrads))
+        self._backward = backward
+        self._vmap_method = vmap_method
+        self._op: Any = None
+        self._jax_vjp: Any = None
+        if "torch" in sys.modules:
+            self._make_torch_op(sys.modules["torch"])
+        else:
+            _PENDING_TORCH.append(self)
+            _watch_torch_import()
+
+    def __repr__(self) -> str:
+        return f"<dlbridge kernel {self.__module__}.{self.__name__}>"
+
+    @property
+    def target(self) -> str:
+        """The XLA FFI target name (registered with jax at the first traced call)."""
+        return self._target
+
+    @property
+    def torch_op(self) -> Any:
+        """The ``torch.library`` custom op (None until torch is imported)."""
+        self._sync_torch()
+        return self._op
+
+    # --- dispatch ---
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _PENDING_TORCH:
+            _make_pending_torch_ops()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.compiler.is_compiling():
+            return self._torch_call(self._bind(args, kwargs))
+        route = 0
+        for a in args:
+            r = _ROUTE.get(type(a))
+            route |= _route_of(type(a)) if r is None else r
+        for a in kwargs.values():
+            r = _ROUTE.get(type(a))
+            route |= _route_of(type(a)) if r is None else r
+        if route == 0:
+            return self._fn(*args, **kwargs)
+        if route & 1:
+            return self._jax_call(self._bind(args, kwargs))
+        if route & 4:
+            return self._torch_call(self._bind(args, kwargs))
+        # torch tensors: the custom op where autograd must see the call, else the kernel itself.
+        if self._backward is not None and torch.is_grad_enabled():
+            vals = self._bind(args, kwargs)
+            if any(getattr(vals[i], "requires_grad", False) for i in self._tensor_idx):
+                return self._torch_call(vals)
+        return self._fn(*args, **kwargs)
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        params = self._params
+        if len(args) > len(params):
+            raise TypeError(f"{self.__name__}() takes {len(params)} arguments, got {len(args)}")
+        vals = list(args)
+        for i in range(len(args), len(params)):
+            n = params[i]
+            if n in kwargs:
+                vals.append(kwargs[n])
+            elif self._defaults[i] is not _EMPTY:
+                vals.append(self._defaults[i])
+            else:
+                raise TypeError(f"{self.__name__}() missing argument {n!r}")
+        for n in kwargs:
+            i = self._index.get(n)
+            if i is None:
+                raise TypeError(f"{self.__name__}() got an unexpected keyword argument {n!r}")
+            if i < len(args):
+                raise TypeError(f"{self.__name__}() got multiple values for argument {n!r}")
+        return vals
+
+    def _run_backward(self, named: dict[str, Any]) -> dict[str, Any]:
+        bw = self._backward
+        if callable(bw):
+            return dict(bw(named))
+        bk, bargs, bgrads = bw
+        res = bk(*[named[n] for n in bargs])
+        if len(bgrads) == 1:
+            return {bgrads[0]: res}
+        return dict(zip(bgrads, res, strict=True))
+
+    # --- torch ---
+
+    def _sync_torch(self) -> None:
+        if self._op is None and "torch" in sys.modules:
+            _make_pending_torch_ops()
+
+    def _torch_call(self, vals: list[Any]) -> Any:
+        op = self._op
+        if op is None:
+            raise RuntimeError(
+                f"{self.__name__}: its torch op does not exist yet: call dlbridge.kernels.torch_ready() "
+                "(or any kernel) once after importing torch, before torch.compile traces it"
+            )
+        res = op(*vals)
+        if self._mutated_idx is not None:
+            return vals[self._mutated_idx]
+        return res
+
+    def _make_torch_op(self, torch: Any) -> None:
+        fn = self._fn
+        letters = iter("abcdefghijklmnopqrstuvwxyz")
+        parts = []
+        for i, n in enumerate(self._params):
+            if n in self._attrs:
+                t = _ATTR_SCHEMA[self._attrs[n]]
+                d = self._defaults[i]
+                parts.append(f"{t} {n}" if d is _EMPTY else f"{t} {n}={d!r}")
+            elif n in self._mutates:
+                parts.append(f"Tensor({next(letters)}!) {n}")
+            else:
+                parts.append(f"Tensor {n}")
+        functional = self._mutated_idx is None
+        schema = f"({', '.join(parts)}) -> {'Tensor' if functional else '()'}"
+        opname = re.sub(r"\W", "_", f"{self.__module__}__{self.__name__}")
+
+        if functional:
+
+            def impl(*vals: Any) -> Any:
+                return fn(*vals)
+        else:
+
+            def impl(*vals: Any) -> Any:
+                fn(*vals)
+                return None
+
+        op = torch.library.custom_op(
+            f"{_NAMESPACE}::{opname}", impl, mutates_args=self._mutates, schema=schema
+        )
+        out = self._out
+        if functional:
+            if out.rule is not None:
+                tensor_idx = self._tensor_idx
+
+                def fake(*vals: Any) -> Any:
+                    shape, dtype = out.rule(*[vals[i] for i in tensor_idx])
+                    return vals[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
+            else:
+                like = out.like
+
+                def fake(*vals: Any) -> Any:
+                    x = vals[like]
+                    return x.new_empty(x.shape)
+        else:
+
+            def fake(*vals: Any) -> Any:
+                return None
+
+        op.register_fake(fake)
+        if self._backward is not None:
+            self._register_torch_autograd(torch, op)
+        self._op = op
+
+    def _register_torch_autograd(self, torch: Any, op: Any) -> None:
+        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.save_for_backward(*[inputs[i] for i in tensor_idx], output)
+            ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
+
+        def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+            saved = ctx.saved_tensors
+            named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, saved[:-1], strict=True)}
+            named["out"] = saved[-1].contiguous()
+            named["grad"] = grad.contiguous()
+            named.update(ctx.dlbridge_attrs)
+            grads = self._run_backward(named)
+            return tuple(grads.get(n) if i in tensor_idx else None for i, n in enumerate(params))
+
+        op.register_autograd(backward, setup_context=setup_context)
+
+    # --- jax ---
+
+    def _jax_call(self, vals: list[Any]) -> Any:
+        jax = sys.modules["jax"]
+        if self._ffi is None:
+            raise TypeError(
+                f"{self.__name__}: called with jax tracers (inside jax.jit, vmap or grad), but the "
+                "kernel has no XLA FFI handler (kernel(..., ffi=capsule))"
+            )
+        if self._target not in _JAX_TARGETS:
+            jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
+            _JAX_TARGETS[self._target] = self._ffi
+        import numpy as np
+
+        attrs = []
+        for i in self._attr_idx:
+            n = self._params[i]
+            if isinstance(vals[i], jax.core.Tracer):
+                raise TypeError(
+                    f"{self.__name__}: {n} is an XLA attribute, static under jax.jit: pass a Python "
+                    f"number (close over it, or jax.jit(..., static_argnames=...)), not a traced value"
+                )
+            attrs.append((n, np.dtype(self._attrs[n]).type(vals[i])))
+        attrs = tuple(attrs)
+        tensors = [vals[i] for i in self._tensor_idx]
+        if self._backward is None:
+            return self._jax_ffi(jax, attrs, tensors)
+        if self._jax_vjp is None:
+            self._jax_vjp = self._make_jax_vjp(jax)
+        return self._jax_vjp(attrs, *tensors)
+
+    def _jax_ffi(self, jax: Any, attrs: tuple[tuple[str, Any], ...], tensors: Sequence[Any]) -> Any:
+        jnp = jax.numpy
+        tensors = [jnp.asarray(t) for t in tensors]
+        out = self._out
+        if out.rule is not None:
+            shape, dtype = out.rule(*tensors)
+            result = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(str(dtype)))
+        else:
+            like = tensors[self._tensor_idx.index(out.like)]
+            result = jax.ShapeDtypeStruct(like.shape, like.dtype)
+        aliases = None
+        if self._mutated_idx is not None:
+            aliases = {self._tensor_idx.index(self._mutated_idx): 0}
+        call = jax.ffi.ffi_call(
+            self._target, result, vmap_method=self._vmap_method, input_output_aliases=aliases
+        )
+        return call(*tensors, **dict(attrs))
+
+    def _make_jax_vjp(self, jax: Any) -> Any:
+        names = [self._params[i] for i in self._tensor_idx]
+
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+        def f(attrs: tuple[tuple[str, Any], ...], *tensors: Any) -> Any:
+            return self._jax_ffi(jax, attrs, tensors)
+
+        def fwd(attrs: tuple[tuple[str, Any], ...], *tensors: Any) -> Any:
+            out = self._jax_ffi(jax, attrs, tensors)
+            return out, (tensors, out)
+
+        def bwd(attrs: tuple[tuple[str, Any], ...], res: Any, g: Any) -> tuple[Any, ...]:
+            tensors, out = res
+            named = dict(zip(names, tensors, strict=True))
+            named.update(attrs)
+            named["out"] = out
+            named["grad"] = g
+            grads = self._run_backward(named)
+            zeros = jax.numpy.zeros_like
+            return tuple(grads[n] if n in grads else zeros(t) for n, t in zip(names, tensors, strict=True))
+
+        f.defvjp(fwd, bwd)
+        return f
+
+
+def _make_pending_torch_ops() -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    while _PENDING_TORCH:
+        k = _PENDING_TORCH.pop(0)
+        if k._op is None:
+            k._make_torch_op(torch)
+
+
+class _TorchImportHook:
+    """A meta-path finder that makes the pending torch ops right after torch's own import, so a
+    kernel made before torch was imported is a custom op by the time torch.compile traces it
+    (dynamo cannot trace the op's creation)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "torch":
+            return None
+        _unwatch_torch_import()
+        spec = importlib.util.find_spec("torch")
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_then_make_ops(module: Any) -> None:
+            exec_module(module)
+            _make_pending_torch_ops()
+
+        loader.exec_module = exec_then_make_ops  # type: ignore[union-attr]
+        return spec
+
+
+_HOOK = _TorchImportHook()
+
+
+def _watch_torch_import() -> None:
+    if "torch" not in sys.modules and _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
+
+
+def _unwatch_torch_import() -> None:
+    if _HOOK in sys.meta_path:
+        sys.meta_path.remove(_HOOK)
+
+
+def torch_ready() -> None:
+    """Makes the torch ops of every kernel made before torch was imported (kernels made after
+    make theirs at once, and any eager call makes the pending ones)."""
+    _make_pending_torch_ops()
+
+
+def kernel(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    out: str | Callable[..., tuple[Sequence[int], str]] | None = _UNSET,  # type: ignore[assignment]
+    attrs: Mapping[str, str] | None = None,
+    mutates: Sequence[str] = (),
+    ffi: Any = None,
+    backward: Any = None,
+    vmap_method: str = "sequential",
+) -> Any:
+    """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only)."""
+
+    def wrap(f: Callable[..., Any]) -> Kernel:
+        return Kernel(
+            f,
+            name=name,
+            out=out,
+            attrs=attrs,
+            mutates=mutates,
+            ffi=ffi,
+            backward=backward,
+            vmap_method=vmap_method,
+        )
+
+    return wrap if fn is None else wrap(fn)

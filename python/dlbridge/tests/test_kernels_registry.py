@@ -1,0 +1,109 @@
+"""dlbridge.kernels, the registry that makes one callable run eagerly, inside torch.compile and
+inside jax.jit. Here with plain Python functions as kernels (the XLA FFI path, which needs a
+compiled handler, is tested by examples/kernels/tests/test_modes.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dlbridge.kernels import Kernel, kernel
+
+from .libs import have
+
+_names = itertools.count()
+
+
+def fresh(fn, **kw):
+    """A kernel of a new name (torch ops are registered once per name)."""
+    name = f"reg_{fn.__name__}_{next(_names)}"
+    fn.__name__ = name
+    return kernel(fn, **kw)
+
+
+def scale(x, s=2.0):
+    return x * s
+
+
+def test_eager_calls_go_straight_to_the_function():
+    seen = []
+
+    def ident(x):
+        seen.append(x)
+        return x
+
+    k = fresh(ident)
+    obj = object()
+    assert k(obj) is obj and seen == [obj]
+    assert isinstance(k, Kernel) and k.__wrapped__ is ident and k.target.endswith(ident.__name__)
+
+
+def test_declarations_are_checked():
+    with pytest.raises(ValueError, match="attrs names 'q', not a parameter"):
+        fresh(scale, attrs={"q": "float32"})
+    with pytest.raises(ValueError, match="attribute 's' has type 'half'"):
+        fresh(scale, attrs={"s": "half"})
+    with pytest.raises(ValueError, match="out='s' names no tensor parameter"):
+        fresh(scale, attrs={"s": "float64"}, out="s")
+    with pytest.raises(ValueError, match="mutates names 's'"):
+        fresh(scale, attrs={"s": "float64"}, mutates=("s",))
+    with pytest.raises(ValueError, match="needs out="):
+        fresh(scale, out=None)
+
+
+def test_arguments_bind_like_python():
+    k = fresh(lambda x, s=2.0: (x, s))
+    assert k(1) == (1, 2.0) and k(1, s=3) == (1, 3)
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_torch_compile_traces_the_custom_op_without_a_graph_break():
+    import torch
+
+    k = fresh(scale, attrs={"s": "float64"})
+    x = torch.arange(6.0).reshape(2, 3)
+    f = torch.compile(lambda a: k(a, 3.0) + 1, fullgraph=True)
+    assert torch.equal(f(x), x * 3 + 1)
+    explained = torch._dynamo.explain(lambda a: k(a, 3.0) + 1)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert k.torch_op is not None
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_torch_in_place_kernels_are_mutating_ops():
+    import torch
+
+    def add_(x, y):
+        y += x
+        return y
+
+    k = fresh(add_, mutates=("y",))
+    x, y = torch.ones(3), torch.zeros(3)
+    f = torch.compile(lambda a, b: k(a, b) * 1, fullgraph=True)
+    assert torch.equal(f(x, y), torch.ones(3)) and torch.equal(y, torch.ones(3))
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_torch_autograd_uses_the_named_backward():
+    import torch
+
+    def square(x):
+        return x * x
+
+    def square_grad(x, g):
+        return 2 * x * g
+
+    bw = fresh(square_grad)
+    k = fresh(square, backward=(bw, ("x", "grad"), ("x",)))
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(k, (x,))
+
+
+@pytest.mark.skipif(not have("jax"), reason="jax is not installed")
+def test_jax_tracers_need_a_handler():
+    import jax
+
+    k = fresh(scale)
+    with pytest.raises(TypeError, match="has no XLA FFI handler"):
+        jax.jit(k)(jax.numpy.ones(3))
