@@ -9,7 +9,9 @@ use dlbridge::{DataType, TensorMut, TensorRef, TensorView, argument_error};
 use half::bf16;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use rayon::prelude::*;
+// The bodies shared with the XLA FFI handlers, and the registration that makes every function
+// callable eagerly, inside jax.jit and inside torch.compile (the guide's last chapter).
+mod modes;
 
 /// The element types the kernels compute with: each is read and written through `f64`.
 /// (A helper of this example, not part of dlbridge.)
@@ -69,9 +71,7 @@ fn saxpy_<'py>(
     {
         let x = x.as_slice()?;
         let mut y = y.as_slice_mut()?; // refused while x's slice lives if x and y share memory
-        for (y, &x) in y.iter_mut().zip(x.iter()) {
-            *y += a * x;
-        }
+        modes::saxpy_inplace_body(a, &x, &mut y);
     }
     Ok(y.object(py).to_owned())
 }
@@ -108,9 +108,7 @@ fn saxpy_typed<'py, T: Real>(
     {
         let (xs, ys) = (x.as_slice()?, y.as_slice()?);
         let mut o = out.as_slice_mut()?;
-        for ((o, &x), &y) in o.iter_mut().zip(xs.iter()).zip(ys.iter()) {
-            *o = T::put(a * x.get() + y.get());
-        }
+        modes::saxpy_body(a, &xs, &ys, &mut o);
     }
     out.into_object(py)
 }
@@ -139,18 +137,7 @@ fn softmax_typed<'py, T: Real>(py: Python<'py>, x: TensorView<'_>) -> PyResult<B
         // The guards are Send and Sync: take them with the GIL, then let it go.
         let xs = x.as_slice()?;
         let mut os = out.as_slice_mut()?;
-        py.detach(|| {
-            if cols == 0 {
-                return;
-            }
-            os.par_chunks_mut(cols).zip(xs.par_chunks(cols)).for_each(|(o, row)| {
-                let max = row.iter().map(|v| v.get()).fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = row.iter().map(|v| (v.get() - max).exp()).sum();
-                for (o, v) in o.iter_mut().zip(row) {
-                    *o = T::put((v.get() - max).exp() / sum);
-                }
-            });
-        });
+        py.detach(|| modes::softmax_body(&xs, &mut os, cols));
     }
     out.into_object(py)
 }
@@ -200,15 +187,7 @@ fn layer_norm_typed<'py, T: Real>(
     {
         let (xa, wa, ba) = (x.as_array()?, w.as_array()?, b.as_array()?);
         let mut oa = out.as_array_mut()?;
-        for (mut orow, xrow) in oa.rows_mut().into_iter().zip(xa.rows()) {
-            let n = xrow.len().max(1) as f64;
-            let mean = xrow.iter().map(|v| v.get()).sum::<f64>() / n;
-            let var = xrow.iter().map(|v| (v.get() - mean).powi(2)).sum::<f64>() / n;
-            let inv = 1.0 / (var + eps).sqrt();
-            for (((o, v), w), b) in orow.iter_mut().zip(xrow.iter()).zip(wa.iter()).zip(ba.iter()) {
-                *o = T::put((v.get() - mean) * inv * w.get() + b.get());
-            }
-        }
+        modes::layer_norm_body(xa.view(), wa.view(), ba.view(), eps, oa.view_mut());
     }
     out.into_object(py)
 }
@@ -247,5 +226,7 @@ fn dlbridge_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(softmax, m)?)?;
     m.add_function(wrap_pyfunction!(layer_norm, m)?)?;
     m.add_function(wrap_pyfunction!(add_transposed, m)?)?;
+    // Each kernel also inside jax.jit and torch.compile (needs the dlbridge Python package).
+    modes::add_kernels(m)?;
     Ok(())
 }

@@ -1,0 +1,168 @@
+"""Every example kernel in every mode: eagerly, inside jax.jit (with vmap, mixed with jnp, under
+jax.grad), inside torch.compile(fullgraph=True) (no graph break, under autograd): results equal to
+the eager call's, of the caller's framework."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dlbridge_kernels as k
+from dlbridge.kernels import Kernel
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+torch = pytest.importorskip("torch")
+jax.config.update("jax_enable_x64", True)
+
+RNG = np.random.default_rng(22)
+
+
+def rand(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def close(a, b, tol=1e-6):
+    np.testing.assert_allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), rtol=tol, atol=tol)
+
+
+def graph_breaks(fn, *args):
+    torch._dynamo.reset()
+    return torch._dynamo.explain(fn)(*args).graph_break_count
+
+
+def test_the_module_functions_are_kernels():
+    for name in ("saxpy", "saxpy_", "softmax", "softmax_backward", "layer_norm"):
+        assert isinstance(getattr(k, name), Kernel), name
+    assert k.softmax.__doc__ and "softmax" in k.softmax.__doc__.lower()
+
+
+# --- jax.jit ---
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, jnp.bfloat16])
+def test_softmax_under_jit_equals_eager(dtype):
+    x = jnp.asarray(rand(7, 33), dtype=dtype)
+    eager = k.softmax(x)  # a jax array eagerly: no tracer, the kernel itself
+    jitted = jax.jit(k.softmax)(x)
+    assert isinstance(jitted, jax.Array) and jitted.dtype == jnp.dtype(dtype) and jitted.shape == (7, 33)
+    close(jitted, eager, 1e-6 if dtype != jnp.bfloat16 else 1e-2)
+
+
+def test_saxpy_and_layer_norm_under_jit_equal_eager():
+    x, y = rand(100, dtype=np.float64), rand(100, dtype=np.float64)
+    close(jax.jit(lambda x, y: k.saxpy(2.5, x, y))(x, y), k.saxpy(2.5, x, y))
+    a, w, b = rand(5, 16), rand(16), rand(16)
+    out = jax.jit(lambda a, w, b: k.layer_norm(a, w, b, eps=1e-3))(a, w, b)
+    assert out.dtype == jnp.float32
+    close(out, k.layer_norm(a, w, b, 1e-3), 1e-5)
+
+
+def test_in_place_saxpy_is_functional_under_jit():
+    x, y = jnp.arange(4.0, dtype=jnp.float32), jnp.ones(4, jnp.float32)
+    out = jax.jit(lambda x, y: k.saxpy_(3.0, x, y))(x, y)
+    close(out, [1.0, 4.0, 7.0, 10.0])
+    close(y, np.ones(4))  # the caller's array is untouched: XLA aliased a copy, or a donated buffer
+
+
+def test_kernels_mix_with_jnp_in_one_jit():
+    a, w, b = rand(8, 10), rand(10), rand(10)
+
+    @jax.jit
+    def f(a):
+        h = k.layer_norm(jnp.tanh(a), w, b)
+        return jnp.sum(k.softmax(h * 2.0), axis=1) + k.saxpy(1.0, a[0].astype(jnp.float64), jnp.zeros(10))[0]
+
+    ref = np.sum(k.softmax(k.layer_norm(np.tanh(a), w, b) * 2.0), axis=1) + float(a[0, 0])
+    close(f(a), ref, 1e-5)
+
+
+def test_vmap_equals_stacked_eager_calls():
+    # vmap_method="sequential": the handler is called once per batch element.
+    xs = rand(3, 4, 6)
+    out = jax.vmap(k.softmax)(xs)
+    close(out, np.stack([k.softmax(x) for x in xs]))
+    ys = rand(3, 5, dtype=np.float64)
+    close(jax.vmap(lambda y: k.saxpy(2.0, y, y))(ys), 3 * ys)
+
+
+def test_refusals_inside_jit_name_the_argument():
+    with pytest.raises(Exception, match=r"softmax_xla: x: expected float64 2-d C-contiguous cpu tensor, got float64 \(2, 3, 4\)"):
+        jax.jit(k.softmax)(jnp.ones((2, 3, 4)))
+    with pytest.raises(Exception, match="x: expected float32, float64 or bfloat16, got int32"):
+        jax.jit(k.softmax)(jnp.ones((2, 3), jnp.int32))
+    with pytest.raises(Exception, match=r"layer_norm_xla: weight and bias need length 4"):
+        jax.jit(lambda a: k.layer_norm(a, jnp.ones(3), jnp.ones(4)))(jnp.ones((2, 4)))
+    with pytest.raises(TypeError, match="a is an XLA attribute, static under jax.jit"):
+        jax.jit(k.saxpy)(2.0, jnp.ones(3), jnp.ones(3))
+
+
+# --- torch.compile ---
+
+
+def test_softmax_and_layer_norm_compile_without_graph_breaks():
+    x, w, b = torch.randn(6, 20), torch.randn(20), torch.randn(20)
+
+    def f(x):
+        return k.softmax(k.layer_norm(x, w, b, eps=1e-4) * 3) + 1
+
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(x)
+    assert type(out) is torch.Tensor and out.dtype == torch.float32 and out.shape == (6, 20)
+    torch.testing.assert_close(out, f(x))
+    assert graph_breaks(f, x) == 0
+
+
+def test_saxpy_compiles_and_the_in_place_one_mutates():
+    x, y = torch.randn(50, dtype=torch.float64), torch.randn(50, dtype=torch.float64)
+    f = torch.compile(lambda x, y: k.saxpy(0.5, x, y) * 2, fullgraph=True)
+    torch.testing.assert_close(f(x, y), k.saxpy(0.5, x, y) * 2)
+    assert graph_breaks(lambda x, y: k.saxpy(0.5, x, y) * 2, x, y) == 0
+    xs, ys = torch.ones(4), torch.arange(4.0)
+    g = torch.compile(lambda x, y: k.saxpy_(2.0, x, y) + 0, fullgraph=True)
+    torch.testing.assert_close(g(xs, ys), torch.tensor([2.0, 3.0, 4.0, 5.0]))
+    torch.testing.assert_close(ys, torch.tensor([2.0, 3.0, 4.0, 5.0]))
+
+
+# --- autograd ---
+
+
+def finite_differences(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        d = np.zeros_like(x)
+        d[i] = eps
+        g[i] = (f(x + d) - f(x - d)) / (2 * eps)
+    return g
+
+
+def test_jax_grad_of_softmax_matches_finite_differences():
+    x = rand(3, 5, dtype=np.float64)
+    weights = np.arange(15.0).reshape(3, 5)
+    grad = jax.grad(lambda x: jnp.sum(k.softmax(x) * weights))(x)
+    ref = finite_differences(lambda x: float(np.sum(k.softmax(x) * weights)), x)
+    close(grad, ref, 1e-6)
+    jitted = jax.jit(jax.grad(lambda x: jnp.sum(k.softmax(jnp.sin(x)) * weights)))(x)
+    close(jitted, finite_differences(lambda x: float(np.sum(k.softmax(np.sin(x)) * weights)), x), 1e-6)
+
+
+def test_torch_gradcheck_of_softmax():
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(k.softmax, (x,))
+    assert torch.autograd.gradgradcheck is not None  # (double backward is not claimed)
+
+
+def test_torch_compile_backward_equals_eager():
+    weights = torch.arange(12.0).reshape(3, 4)
+    xc = torch.randn(3, 4, requires_grad=True)
+    xe = xc.detach().clone().requires_grad_()
+    torch.compile(lambda x: (k.softmax(x) * weights).sum(), fullgraph=True)(xc).backward()
+    (k.softmax(xe) * weights).sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad)
+
+
+def test_eager_results_are_unchanged():
+    x = rand(2, 3)
+    assert type(k.softmax(x)) is np.ndarray
+    assert type(k.softmax(torch.from_numpy(x))) is torch.Tensor
+    assert isinstance(k.softmax(jnp.asarray(x)), jax.Array)
