@@ -132,7 +132,7 @@ pub enum Error {
         /// Why, and what to do instead.
         reason: String,
     },
-        /// A tensor that is not what a typed view or an operation needs.
+    /// A tensor that is not what a typed view or an operation needs.
     Incompatible {
         /// What was needed ("float32 C-contiguous host tensor").
         expected: String,

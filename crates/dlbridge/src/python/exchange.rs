@@ -217,7 +217,11 @@ impl TorchState {
         Self::get(self.requires_grad.as_ref(), obj, intern!(obj.py(), "requires_grad"))
     }
 
-    fn get(getter: Option<&Getter>, obj: &Bound<'_, PyAny>, name: &Bound<'_, pyo3::types::PyString>) -> PyResult<bool> {
+    fn get(
+        getter: Option<&Getter>,
+        obj: &Bound<'_, PyAny>,
+        name: &Bound<'_, pyo3::types::PyString>,
+    ) -> PyResult<bool> {
         let r = match getter {
             Some(g) => g.call(obj)?,
             None => obj.getattr(name)?,
@@ -236,9 +240,9 @@ impl TorchState {
     pub(crate) fn refuse_grad_leaf_write(&self, obj: &Bound<'_, PyAny>) -> crate::Result<()> {
         let py = obj.py();
         let refused = |reason: String| crate::Error::WriteRefused { field: "requires_grad", reason };
-        let leaf_requiring_grad = self.requires_grad(obj).and_then(|rg| {
-            Ok(rg && Self::get(self.is_leaf.as_ref(), obj, intern!(py, "is_leaf"))?)
-        });
+        let leaf_requiring_grad = self
+            .requires_grad(obj)
+            .and_then(|rg| Ok(rg && Self::get(self.is_leaf.as_ref(), obj, intern!(py, "is_leaf"))?));
         // A getter that raises (a torch function mode may run Python there) refuses the write too,
         // with its own words.
         let leaf = leaf_requiring_grad.map_err(|e| refused(format!("could not be read: {e}")))?;

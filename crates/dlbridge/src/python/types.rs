@@ -27,7 +27,9 @@ fn exception(e: &Error, msg: String) -> PyErr {
         Error::UnknownDtypeName { .. } | Error::UnknownDeviceName { .. } | Error::BufferMismatch { .. } => {
             PyValueError::new_err(msg)
         }
-        Error::Incompatible { .. } | Error::Mismatch(_) | Error::WriteRefused { .. } => PyTypeError::new_err(msg),
+        Error::Incompatible { .. } | Error::Mismatch(_) | Error::WriteRefused { .. } => {
+            PyTypeError::new_err(msg)
+        }
         _ => PyBufferError::new_err(msg),
     }
 }

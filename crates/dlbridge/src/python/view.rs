@@ -90,8 +90,9 @@ impl TensorView<'_> {
         if !super::release::attached_here() {
             return Err(crate::Error::WriteRefused {
                 field: "requires_grad",
-                reason: "mutable access to a torch tensor is asked for with the GIL held (it reads requires_grad)"
-                    .into(),
+                reason:
+                    "mutable access to a torch tensor is asked for with the GIL held (it reads requires_grad)"
+                        .into(),
             });
         }
         // SAFETY: this thread holds the GIL (checked just above).
