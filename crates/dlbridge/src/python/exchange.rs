@@ -278,11 +278,21 @@ impl TorchState {
         }
     }
 
+    /// The negative bit: through ATen's native kernel for exactly `torch.Tensor` (no GIL round trip,
+    /// see [`super::torch_bits`]), else the method.
+    #[inline]
     fn is_neg(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if let Some(bit) = super::torch_bits::aten_bits(obj.py()).and_then(|b| b.is_neg(obj)) {
+            return Ok(bit);
+        }
         Self::call(self.is_neg.as_ref(), obj, intern!(obj.py(), "is_neg"))
     }
 
+    /// The conjugate bit, as [`TorchState::is_neg`] reads the negative one.
     fn is_conj(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if let Some(bit) = super::torch_bits::aten_bits(obj.py()).and_then(|b| b.is_conj(obj)) {
+            return Ok(bit);
+        }
         Self::call(self.is_conj.as_ref(), obj, intern!(obj.py(), "is_conj"))
     }
 }

@@ -34,6 +34,7 @@ mod shared;
 mod tensor;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
+mod torch_bits;
 mod typed;
 mod types;
 mod view;

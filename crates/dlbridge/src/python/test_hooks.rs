@@ -27,6 +27,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_current_work_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_bits_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_table_allocate, m)?)?;
     m.add_class::<HostileBuffer>()?;
     // PyO3 lists every added function in `__all__`; hooks are private, so take them out again.
@@ -262,6 +263,13 @@ fn _typed_probe(
 /// checks and effects (torch's write rules, the version bump).
 #[pyfunction]
 fn _typed_mut_probe(_x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::spec::C>) {}
+
+/// Whether torch's negative and conjugate bits are read through ATen's native kernels in this
+/// process (verified once; else through the methods).
+#[pyfunction]
+fn _torch_bits_from_aten(py: Python<'_>) -> bool {
+    super::torch_bits::aten_bits(py).is_some()
+}
 
 /// float32 memory of `shape` on `device` from the exchange table of `like`'s type (its
 /// allocator), as a dlbridge Tensor.

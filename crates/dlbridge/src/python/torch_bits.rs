@@ -1,0 +1,159 @@
+//! torch's negative and conjugate bits, read through ATen's own native functions instead of the
+//! Python methods.
+//!
+//! `Tensor.is_neg()` and `Tensor.is_conj()` are generated bindings that release and retake the GIL
+//! around a one-bit read: measured here, `is_neg()` alone cost ~100 ns of a torch import that costs
+//! ~270 ns without it (more than dlbridge's whole validation), and there is no getter or
+//! hand-written method that shows the bit (it survives `detach()`, which drops `_base`, and
+//! `torch._C._set_neg` can set it on a live tensor, so nothing can be cached). ATen exports the
+//! operators' native kernels from `libtorch_cpu` (`at::native::is_neg(const at::Tensor&)`, the
+//! kernel the `is_neg` operator dispatches to: `return self.is_neg();`, a read of one bit of the
+//! tensor's dispatch key set): called with the GIL held and no Python in between, a few
+//! instructions. (The operator's dispatcher entry, `at::_ops::is_neg::call`, measured ~30 ns.)
+//!
+//! What this relies on, checked once per process before it is used (else the methods are called,
+//! as before):
+//! - an instance of exactly `torch.Tensor` is a `THPVariable`, whose `at::Tensor cdata` (one
+//!   `TensorImpl` pointer) follows the object header: the layout of torch's public header
+//!   `torch/csrc/autograd/python_variable.h`, which every C++ extension inlines
+//!   (`THPVariable_Unpack`). Checked: the type's `tp_basicsize` covers it, and for each probe tensor
+//!   the pointer there is the one `Tensor._cdata` reports;
+//! - the two symbols exist in the `libtorch_cpu` torch has loaded (found with `RTLD_NOLOAD`: never
+//!   loaded by dlbridge), and agree with `is_neg()`/`is_conj()` on probes with and without each bit
+//!   (a negated view, `conj()`, `conj().imag`, a detached negated view, 0-d, empty, bfloat16, one
+//!   that requires grad).
+//!
+//! Only instances of exactly `torch.Tensor` take this path: a subclass may route operators through
+//! `__torch_dispatch__` (Python) and is asked through its methods.
+
+use std::ffi::{CString, c_char, c_int, c_void};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+/// `bool at::native::is_neg(const at::Tensor&)` (and `is_conj`): the argument is a pointer to an
+/// `at::Tensor`; C-unwind, since C++ may in principle throw (then the process aborts at the next
+/// catch, never undefined behaviour).
+type BitFn = unsafe extern "C-unwind" fn(*const c_void) -> bool;
+
+/// ATen's native kernels and the exact type they were verified for.
+pub(crate) struct AtenBits {
+    is_neg: BitFn,
+    is_conj: BitFn,
+    /// The address of `torch.Tensor` (kept alive by the torch module, never unloaded).
+    ty: usize,
+}
+
+/// Where `cdata` sits in a `THPVariable`: right after the object header.
+const CDATA_OFFSET: usize = std::mem::size_of::<ffi::PyObject>();
+
+unsafe extern "C" {
+    fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+
+static BITS: PyOnceLock<Option<AtenBits>> = PyOnceLock::new();
+
+/// The verified kernels, found once per process (`None`: use the methods).
+#[inline]
+pub(crate) fn aten_bits(py: Python<'_>) -> Option<&'static AtenBits> {
+    BITS.get_or_init(py, || find(py).ok().flatten()).as_ref()
+}
+
+impl AtenBits {
+    /// The pointer to `obj`'s `at::Tensor`, if `obj` is exactly of the verified type.
+    #[inline]
+    fn tensor_of(&self, obj: &Bound<'_, PyAny>) -> Option<*const c_void> {
+        (obj.get_type_ptr() as usize == self.ty)
+            // SAFETY: an instance of exactly the verified type is at least `tp_basicsize` long
+            // (checked to cover cdata), so the offset stays inside the object.
+            .then(|| unsafe { obj.as_ptr().cast::<u8>().add(CDATA_OFFSET).cast::<c_void>().cast_const() })
+    }
+
+    /// `obj.is_neg()` read through ATen, or `None` when `obj` is not exactly `torch.Tensor`.
+    #[inline]
+    pub(crate) fn is_neg(&self, obj: &Bound<'_, PyAny>) -> Option<bool> {
+        let t = self.tensor_of(obj)?;
+        // SAFETY: `t` points to the live object's `at::Tensor` (a defined tensor: every
+        // THPVariable holds one), the GIL is held (`obj` is bound to it), and the function is
+        // ATen's native kernel of that signature (verified against the method on probes).
+        Some(unsafe { (self.is_neg)(t) })
+    }
+
+    /// `obj.is_conj()` read through ATen, or `None` when `obj` is not exactly `torch.Tensor`.
+    #[inline]
+    pub(crate) fn is_conj(&self, obj: &Bound<'_, PyAny>) -> Option<bool> {
+        let t = self.tensor_of(obj)?;
+        // SAFETY: as in `is_neg`.
+        Some(unsafe { (self.is_conj)(t) })
+    }
+}
+
+/// Finds the kernels and checks them on probe tensors; `Ok(None)` when anything does not
+/// hold (no torch, another layout, a symbol missing, a disagreement).
+fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
+    // Only where torch is already imported: dlbridge never imports it for this.
+    let Some(torch) = py.import("sys")?.getattr("modules")?.get_item("torch").ok() else { return Ok(None) };
+    let tensor_type = torch.getattr("Tensor")?.cast_into::<pyo3::types::PyType>()?;
+    // SAFETY: reads a field of a live type object.
+    let basicsize = unsafe { (*tensor_type.as_type_ptr()).tp_basicsize };
+    if usize::try_from(basicsize).map_or(true, |b| b < CDATA_OFFSET + std::mem::size_of::<usize>()) {
+        return Ok(None);
+    }
+    let Some(lib) = torch_cpu(&torch)? else { return Ok(None) };
+    let sym = |name: &std::ffi::CStr| {
+        // SAFETY: a handle from dlopen and a NUL-terminated name.
+        let p = unsafe { dlsym(lib, name.as_ptr()) };
+        // SAFETY: a non-NULL symbol of this mangled name is the function of this signature.
+        (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, BitFn>(p) })
+    };
+    let (Some(is_neg), Some(is_conj)) =
+        (sym(c"_ZN2at6native6is_negERKNS_6TensorE"), sym(c"_ZN2at6native7is_conjERKNS_6TensorE"))
+    else {
+        return Ok(None);
+    };
+    let bits = AtenBits { is_neg, is_conj, ty: tensor_type.as_type_ptr() as usize };
+    let globals = pyo3::types::PyDict::new(py);
+    globals.set_item("torch", &torch)?;
+    let probes = py.eval(
+        c"(lambda z, c: [z, torch._neg_view(z), c, c.conj(), c.conj().imag, torch._neg_view(z).detach(), \
+           torch.zeros(()), torch.zeros(0, 3), torch.zeros(2, dtype=torch.bfloat16), \
+           torch.ones(2, requires_grad=True), torch._neg_view(c.conj())])\
+           (torch.arange(3.0), torch.complex(torch.ones(2), torch.ones(2)))",
+        Some(&globals),
+        None,
+    )?;
+    let (mut saw_neg, mut saw_conj, mut saw_plain) = (false, false, false);
+    for p in probes.try_iter()? {
+        let p = p?;
+        let Some(t) = bits.tensor_of(&p) else { return Ok(None) };
+        // SAFETY: inside the object (basicsize checked); a pointer-sized field read as such.
+        let cdata = unsafe { *t.cast::<usize>() };
+        if cdata != p.getattr("_cdata")?.extract::<usize>()? {
+            return Ok(None);
+        }
+        let (neg, conj) =
+            (p.call_method0("is_neg")?.extract::<bool>()?, p.call_method0("is_conj")?.extract::<bool>()?);
+        if bits.is_neg(&p) != Some(neg) || bits.is_conj(&p) != Some(conj) {
+            return Ok(None);
+        }
+        saw_neg |= neg;
+        saw_conj |= conj;
+        saw_plain |= !neg && !conj;
+    }
+    Ok((saw_neg && saw_conj && saw_plain).then_some(bits))
+}
+
+/// The `libtorch_cpu` torch has loaded (never loads it: `RTLD_NOLOAD`).
+fn torch_cpu(torch: &Bound<'_, PyAny>) -> PyResult<Option<*mut c_void>> {
+    let file: String = torch.getattr("__file__")?.extract()?;
+    let Some(dir) = std::path::Path::new(&file).parent() else { return Ok(None) };
+    let path = dir.join("lib").join("libtorch_cpu.so");
+    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return Ok(None) };
+    const RTLD_LAZY: c_int = 1;
+    const RTLD_NOLOAD: c_int = 4;
+    // SAFETY: a NUL-terminated path; RTLD_NOLOAD returns an already loaded library or NULL.
+    let lib = unsafe { dlopen(c.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
+    Ok((!lib.is_null()).then_some(lib))
+}

@@ -1,0 +1,86 @@
+"""torch's negative and conjugate bits read through ATen's native kernels (issue 20: the methods'
+generated bindings release and retake the GIL, most of a torch import's cost). The kernels are used
+only after they agree with the methods on probe tensors; these tests check that every path still
+refuses exactly the tensors whose memory holds other values than they show, whichever source
+answered, and that the cheap source is the one in use where torch allows it."""
+
+from __future__ import annotations
+
+import pytest
+
+import dlbridge
+
+from .libs import need
+
+hooks = pytest.mark.hooks
+
+
+def _kinds(torch):
+    """(name, tensor) over the ways a bit comes and goes: views, detach, .data, slices, dtypes."""
+    z = torch.arange(6.0).reshape(2, 3)
+    c = torch.complex(torch.arange(4.0), torch.ones(4))
+    neg = torch._neg_view(z)
+    out = {
+        "plain": z,
+        "neg view": neg,
+        "neg detach": neg.detach(),
+        "neg .data": neg.data,
+        "neg slice": neg[:, 1:],
+        "neg transposed": neg.t(),
+        "neg resolved": neg.resolve_neg(),
+        "conj": c.conj(),
+        "conj resolved": c.conj().resolve_conj(),
+        "conj imag (neg)": c.conj().imag,
+        "conj real": c.conj().real,
+        "neg of conj": torch._neg_view(c.conj()),
+        "int64 neg": torch._neg_view(torch.arange(3)),
+        "bfloat16": torch.zeros(3, dtype=torch.bfloat16),
+        "0-d neg": torch._neg_view(torch.tensor(2.0)),
+        "empty": torch.zeros(0, 2),
+    }
+    flipped = torch.arange(3.0)
+    torch._C._set_neg(flipped, True)  # a live tensor's bit set in place: nothing may be cached
+    out["set_neg in place"] = flipped
+    return out
+
+
+@pytest.mark.parametrize("path", ["from_dlpack", "view"])
+def test_every_kind_is_refused_exactly_when_its_memory_differs(path: str) -> None:
+    torch = need("torch")
+    if path == "view" and not hasattr(dlbridge._dlbridge, "_view"):
+        pytest.skip("needs the test hooks (make test builds them)")
+    call = dlbridge.from_dlpack if path == "from_dlpack" else dlbridge._dlbridge._view
+    for name, t in _kinds(torch).items():
+        lazy = t.is_neg() or t.is_conj()
+        if lazy:
+            with pytest.raises(BufferError, match="resolve_neg|resolve_conj"):
+                call(t)
+        else:
+            call(t)  # accepted
+    t = torch.arange(3.0)
+    call(t)
+    torch._C._set_neg(t, True)
+    with pytest.raises(BufferError, match="resolve_neg"):
+        call(t)
+    torch._C._set_neg(t, False)
+    call(t)
+
+
+@hooks
+def test_the_bits_come_from_aten_for_torch_tensors() -> None:
+    need("torch")
+    # Verified once per process against the methods; where this torch allows it, used.
+    assert dlbridge._dlbridge._torch_bits_from_aten() is True
+
+
+def test_a_subclass_is_asked_through_its_methods() -> None:
+    torch = need("torch")
+
+    class Sub(torch.Tensor):
+        pass
+
+    s = torch._neg_view(torch.arange(3.0)).as_subclass(Sub)
+    assert s.is_neg()
+    with pytest.raises(BufferError, match="resolve_neg"):
+        dlbridge.from_dlpack(s)
+    dlbridge.from_dlpack(torch.arange(3.0).as_subclass(Sub))
