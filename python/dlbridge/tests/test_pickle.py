@@ -160,3 +160,14 @@ def test_a_misaligned_buffer_is_copied():
     view = memoryview(data)[1:]
     t = tensor_over(view, dlbridge.float32, (4,))
     assert t.data_ptr % 4 == 0
+
+
+def test_deepcopy_copies():
+    import copy
+
+    np = need("numpy")
+    a = np.arange(12.0).reshape(3, 4).T
+    t = dlbridge.asdlpack(a)
+    d = copy.deepcopy(t)
+    assert d.data_ptr != t.data_ptr and (d.shape, d.strides) == (t.shape, t.strides)
+    assert np.from_dlpack(d).tolist() == a.tolist() and not d.readonly

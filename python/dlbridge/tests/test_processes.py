@@ -225,6 +225,20 @@ def test_share_of_a_view_into_shared_memory_is_not_copied():
     assert c.is_c_contiguous and np.from_dlpack(c).tolist() == np.arange(12.0).reshape(3, 4).T.tolist()
 
 
+def test_deepcopy_is_new_shared_memory_and_copy_the_same():
+    import copy
+
+    t = dlbridge.shared_empty((2, 3), "float32")
+    floats(t)[4] = 1.5
+    d = copy.deepcopy(t)
+    assert d.data_ptr != t.data_ptr and bytes(memoryview(d)) == bytes(memoryview(t))
+    assert (d.shape, d.strides, d.dtype, d.readonly) == (t.shape, t.strides, t.dtype, False)
+    assert segment_inode(d) != segment_inode(t) and len(pickle.dumps(d)) < 1024  # shared too
+    floats(d)[0] = 2.0
+    assert floats(t)[0] == 0.0
+    assert copy.copy(t).data_ptr == t.data_ptr  # a shallow copy: the same memory
+
+
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 def test_a_shared_pickle_is_a_small_handle(protocol):
     t = dlbridge.shared_empty((1 << 24,), "float32")  # 64 MiB

@@ -211,16 +211,21 @@ fn share(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     if segment_of(&t).is_some() {
         return Ok(Tensor::new(t));
     }
+    copy_to_segment(&t, "share()")
+}
+
+/// A new shared tensor with a C-contiguous copy of a host tensor's elements, dtype and flags.
+fn copy_to_segment(t: &ManagedTensor, what: &str) -> PyResult<Tensor> {
     let padded = t.flags().is_subbyte_padded();
     let bytes = compact_bytes(t.dtype(), t.shape(), padded)?;
     let copied;
     let src: &ManagedTensor = if t.is_c_contiguous() {
-        &t
+        t
     } else {
         copied = t.to_contiguous()?;
         &copied
     };
-    let seg = Segment::create(bytes).map_err(|e| shm_error("share()", e))?;
+    let seg = Segment::create(bytes).map_err(|e| shm_error(what, e))?;
     {
         let _lease = src.lease(false)?;
         // SAFETY: `src` is a compact host tensor of `bytes` bytes from its first element (C order,
@@ -230,6 +235,17 @@ fn share(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let flags =
         Flags::NONE.with(Flags::READ_ONLY, t.is_read_only()).with(Flags::IS_SUBBYTE_TYPE_PADDED, padded);
     Ok(Tensor::new(seg.tensor(t.dtype(), t.shape(), None, 0, 0, flags)?))
+}
+
+/// `Tensor.__deepcopy__`: a shared tensor's copy is a new shared tensor (its pickle, a handle,
+/// would give the same memory back); any other tensor's is what pickling gives (its bytes).
+pub(crate) fn deepcopy<'py>(slf: &Bound<'py, Tensor>) -> PyResult<Bound<'py, PyAny>> {
+    let t = slf.get().shared();
+    if segment_of(t).is_some() {
+        return Ok(Bound::new(slf.py(), copy_to_segment(t, "deepcopy()")?)?.into_any());
+    }
+    let reduced = reduce_ex(slf, 4)?;
+    reduced.get_item(0)?.call1(reduced.get_item(1)?.cast_into::<PyTuple>()?)
 }
 
 /// A read-only or writable flat byte buffer over part of a tensor, which keeps the tensor alive:

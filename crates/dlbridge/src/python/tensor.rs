@@ -317,6 +317,14 @@ impl Tensor {
         super::shared::reduce_ex(slf, protocol)
     }
 
+    /// `copy.deepcopy`: new memory (a shared tensor's copy is a new shared tensor); see
+    /// `python/shared.rs`.
+    #[cfg(target_os = "linux")]
+    fn __deepcopy__<'py>(slf: &Bound<'py, Self>, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let _ = memo; // nothing inside a Tensor is a Python object to memoise
+        super::shared::deepcopy(slf)
+    }
+
     /// `(DeviceType, id)`.
     fn __dlpack_device__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let t = self
