@@ -171,3 +171,17 @@ def test_deepcopy_copies():
     d = copy.deepcopy(t)
     assert d.data_ptr != t.data_ptr and (d.shape, d.strides) == (t.shape, t.strides)
     assert np.from_dlpack(d).tolist() == a.tolist() and not d.readonly
+
+
+def test_a_device_tensor_refuses_to_pickle_and_to_share():
+    """CUDA IPC is not implemented: a tensor in device memory says so (a ctypes capsule that claims
+    cuda:0; its address is never dereferenced)."""
+    from ._dlpack_ctypes import FakeCapsule
+
+    fake = FakeCapsule(device=(2, 0), data=0x7F00_0000_0000)
+    t = dlbridge.from_dlpack(fake.capsule)
+    for protocol in (2, 5):
+        with pytest.raises(TypeError, match="cuda:0: only host memory pickles"):
+            pickle.dumps(t, protocol=protocol)
+    with pytest.raises(BufferError, match="cuda:0; only host memory can be shared"):
+        dlbridge.share(t)
