@@ -242,8 +242,9 @@ impl Segment {
             err(
                 "fd",
                 format!(
-                    "{path} cannot be read ({e}): the segment is gone (no process that made the handle \
-                     still holds it) or the process belongs to another user (stale handle)"
+                    "{path} cannot be read ({e}): the segment is gone (stale handle: the process that \
+                     pickled the tensor no longer holds it; keep a reference there until the receiver \
+                     has unpickled it) or the process belongs to another user"
                 ),
             )
         };
