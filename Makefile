@@ -121,6 +121,7 @@ bench: $(STAMP) ## side-by-side benchmarks; writes docs/BENCHMARKS.md
 	$(PY) -m pip install --quiet -r bench/requirements-bench.txt
 	$(MATURIN) develop --release --quiet --features test-hooks
 	cd bench/shim-dlbridge && $(MATURIN) develop --release --quiet
+	cd examples/kernels && $(MATURIN) develop --release --quiet
 	cd bench/shim-pyo3-dlpack && $(MATURIN) develop --release --quiet
 	cd bench/shim-dlpark && $(MATURIN) develop --release --quiet
 	@command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)

@@ -196,6 +196,9 @@ def main() -> int:
     import bench_processes  # tensors to other processes (issue 23): bench/bench_processes.py
 
     targets += bench_processes.run(quick=args.quick)[1]
+    import bench_modes  # one Rust kernel eagerly, in jax.jit, in torch.compile (issue 22): bench/bench_modes.py
+
+    targets += bench_modes.run(quick=args.quick)[1]
 
     print("\n== targets")
     for tg in targets:

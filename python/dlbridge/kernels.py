@@ -166,9 +166,11 @@ class Kernel:
         self._backward = backward
         self._vmap_method = vmap_method
         self._op: Any = None
+        self._overload: Any = None
         self._jax_vjp: Any = None
         if "torch" in sys.modules:
             self._make_torch_op(sys.modules["torch"])
+            _make_pending_torch_ops()
         else:
             _PENDING_TORCH.append(self)
             _watch_torch_import()
@@ -190,11 +192,19 @@ class Kernel:
     # --- dispatch ---
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Inside torch.compile dynamo traces this method: what it reads here becomes guards
+        # checked at every call of the compiled function, so the path reads little (the op binds
+        # the arguments itself, defaults included).
+        if _is_compiling():
+            # The op's overload itself: dynamo puts it in the graph at the cost of one guard.
+            if self._mutated_idx is None:
+                return self._overload(*args, **kwargs)
+            self._overload(*args, **kwargs)
+            i = self._mutated_idx
+            return args[i] if i < len(args) else kwargs[self._params[i]]
         if _PENDING_TORCH:
             _make_pending_torch_ops()
         torch = sys.modules.get("torch")
-        if torch is not None and torch.compiler.is_compiling():
-            return self._torch_call(self._bind(args, kwargs))
         route = 0
         for a in args:
             r = _ROUTE.get(type(a))
@@ -317,6 +327,7 @@ class Kernel:
         if self._backward is not None:
             self._register_torch_autograd(torch, op)
         self._op = op
+        self._overload = getattr(getattr(torch.ops, _NAMESPACE), opname).default
 
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
@@ -410,10 +421,20 @@ class Kernel:
         return f
 
 
+def _never_compiling() -> bool:
+    return False
+
+
+# torch.compiler.is_compiling once torch is imported (until then nothing compiles).
+_is_compiling: Callable[[], bool] = _never_compiling
+
+
 def _make_pending_torch_ops() -> None:
+    global _is_compiling
     torch = sys.modules.get("torch")
     if torch is None:
         return
+    _is_compiling = torch.compiler.is_compiling
     while _PENDING_TORCH:
         k = _PENDING_TORCH.pop(0)
         if k._op is None:

@@ -158,6 +158,30 @@ fn round_trip<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     dlbridge::python::Framework::of(x)?.wrap(x.py(), t)
 }
 
+// --- every mode (issue 22): empty-body kernels for jax.jit and torch.compile ---
+
+dlbridge::xla_handler! {
+    /// An XLA FFI handler with an empty body: its operand and result decoded, nothing computed
+    /// (the bench's C++ twin binds `Arg<AnyBuffer>().Ret<AnyBuffer>()` and returns success).
+    fn empty_xla(call) {
+        let _x = call.input_any(0, "x")?;
+        let _out = call.output_any(0, "out")?;
+        Ok(())
+    }
+}
+
+/// The empty-body handler's capsule, for `jax.ffi.register_ffi_target`.
+#[pyfunction]
+fn empty_xla_capsule(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyCapsule>> {
+    dlbridge::python::xla_capsule(py, empty_xla)
+}
+
+/// An in-place kernel with an empty body: one typed mutable float32 argument.
+#[pyfunction]
+fn empty_inplace(x: dlbridge::TensorMut<'_, f32>) {
+    let _ = x;
+}
+
 /// The shim module.
 #[pymodule]
 fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -176,5 +200,7 @@ fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rust_made_torch, m)?)?;
     m.add_function(wrap_pyfunction!(identity, m)?)?;
     m.add_function(wrap_pyfunction!(round_trip, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_xla_capsule, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_inplace, m)?)?;
     Ok(())
 }
