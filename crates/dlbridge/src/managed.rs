@@ -506,7 +506,7 @@ pub enum RawManagedTensor {
 /// # Safety
 ///
 /// As for [`ManagedTensor::validate`]: shape and strides are NULL or point to `ndim` `i64`s.
-#[inline]
+#[inline(always)]
 unsafe fn fast_accept(t: &DLTensor, flags: Flags) -> Option<u64> {
     if !(1..=8).contains(&t.ndim)
         || t.shape.is_null()

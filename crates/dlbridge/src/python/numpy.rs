@@ -218,6 +218,7 @@ pub fn fast_path_enabled() -> bool {
 /// The array's shape and element strides into `dims` (see [`crate::interface::element_strides`]):
 /// what both the owned import and the borrowed view take from the struct. False when a byte stride
 /// is not a multiple of the item size (numpy's own DLPack path then refuses the array).
+#[inline(always)]
 pub fn fill_dims(p: &NumpyParts<'_>, dims: &mut crate::dims::Dims) -> bool {
     let (shape, strides) = dims.resize(p.shape.len());
     for (d, &s) in shape.iter_mut().zip(p.shape) {

@@ -30,6 +30,10 @@ struct Borrow {
     tensor: DLTensor,
     dims: Dims,
     buffer: Option<HeldBuffer>,
+    /// torch's state accessors when the view came through torch's exchange table: its rule on
+    /// in-place writes is checked when mutable access is asked for. (Here rather than in the
+    /// view, which every numpy argument builds and returns: one field fewer to move.)
+    torch: Option<&'static super::exchange::TorchState>,
 }
 
 thread_local! {
@@ -60,9 +64,6 @@ pub struct TensorView<'a> {
     borrow: Option<NonNull<Borrow>>,
     /// The object viewed, alive for 'a (borrowed, no reference count).
     source: NonNull<ffi::PyObject>,
-    /// torch's state accessors when the view came through torch's exchange table: its rule on
-    /// in-place writes is checked when mutable access is asked for.
-    torch: Option<&'static super::exchange::TorchState>,
     _source: PhantomData<&'a ()>,
     _not_send: PhantomData<*const ()>,
 }
@@ -86,7 +87,9 @@ impl TensorView<'_> {
     /// The producer's own rules on in-place writes (torch: no write into a leaf that requires
     /// grad while grad mode is on); nothing to check for other producers.
     pub(crate) fn check_producer_write_rules(&self) -> crate::Result<()> {
-        let Some(state) = self.torch else { return Ok(()) };
+        // SAFETY: the block is owned by this view and alive until it drops.
+        let torch = self.borrow.and_then(|b| unsafe { b.as_ref() }.torch);
+        let Some(state) = torch else { return Ok(()) };
         if !super::release::attached_here() {
             return Err(crate::Error::WriteRefused {
                 field: "requires_grad",
@@ -253,7 +256,7 @@ impl<'a> TensorView<'a> {
 
     #[inline(always)]
     fn with(tensor: ManagedTensor, borrow: Option<NonNull<Borrow>>, source: NonNull<ffi::PyObject>) -> Self {
-        Self { tensor, borrow, source, torch: None, _source: PhantomData, _not_send: PhantomData }
+        Self { tensor, borrow, source, _source: PhantomData, _not_send: PhantomData }
     }
 
     /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
@@ -317,9 +320,8 @@ impl<'a> TensorView<'a> {
                             return Err(e.into());
                         }
                     }
-                    let mut view = Self::from_borrow(b, Flags::NONE, source)?;
-                    view.torch = api.torch_state();
-                    return Ok(view);
+                    b.torch = api.torch_state();
+                    return Self::from_borrow(b, Flags::NONE, source);
                 }
                 // Device memory needs stream handling: the protocol path below.
                 Ok(_) => {}
@@ -385,6 +387,7 @@ impl Drop for TensorView<'_> {
 /// Releases what a block holds and keeps it for the next view (up to 8 spare blocks a thread).
 fn recycle(mut b: Box<Borrow>) {
     b.buffer = None;
+    b.torch = None;
     POOL.with_borrow_mut(|p| {
         if p.len() < 8 {
             p.push(b);
@@ -417,5 +420,6 @@ fn blank() -> Box<Borrow> {
         },
         dims: Dims::new(),
         buffer: None,
+        torch: None,
     })
 }
