@@ -146,8 +146,9 @@ class RaisesBaseException:
     (ReturnsForeignCapsule, TypeError, "not a DLPack tensor"),
     (ReturnsUsedCapsule, ValueError, "already consumed"),
     (RaisesBufferError, BufferError, "producer's words"),
-    (RaisesValueError, ValueError, "producer's words"),
-    (RaisesTypeErrorInside, TypeError, "producer's words"),
+    # The error contract: a producer's refusal is the cause of a BufferError that quotes it.
+    (RaisesValueError, BufferError, "refused the export \\(ValueError: .*producer's words"),
+    (RaisesTypeErrorInside, BufferError, "refused the export \\(TypeError: .*producer's words"),
     (RaisesBaseException, ProducerInterrupt, "interrupted"),
 ])
 def test_misbehaving_dlpack_methods(producer, exc, match) -> None:
@@ -186,8 +187,9 @@ def test_dlpack_device_returning_junk(answer) -> None:
 
 
 def test_dlpack_device_raising_surfaces() -> None:
-    with pytest.raises(RuntimeError, match="device query failed"):
+    with pytest.raises(BufferError, match="__dlpack_device__.*device query failed") as e:
         dlbridge.from_dlpack(JunkDevice(RuntimeError("device query failed")))
+    assert isinstance(e.value.__cause__, RuntimeError)
 
 
 @pytest.mark.hooks
