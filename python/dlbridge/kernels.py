@@ -219,7 +219,7 @@ class Kernel:
         if route & 4:
             return self._torch_call(self._bind(args, kwargs))
         # torch tensors: the custom op where autograd must see the call, else the kernel itself.
-        if self._backward is not None and torch.is_grad_enabled():
+        if self._backward is not None and torch is not None and torch.is_grad_enabled():
             vals = self._bind(args, kwargs)
             if any(getattr(vals[i], "requires_grad", False) for i in self._tensor_idx):
                 return self._torch_call(vals)
@@ -239,10 +239,10 @@ class Kernel:
             else:
                 raise TypeError(f"{self.__name__}() missing argument {n!r}")
         for n in kwargs:
-            i = self._index.get(n)
-            if i is None:
+            j = self._index.get(n)
+            if j is None:
                 raise TypeError(f"{self.__name__}() got an unexpected keyword argument {n!r}")
-            if i < len(args):
+            if j < len(args):
                 raise TypeError(f"{self.__name__}() got multiple values for argument {n!r}")
         return vals
 
@@ -306,14 +306,15 @@ class Kernel:
         )
         out = self._out
         if functional:
-            if out.rule is not None:
+            rule = out.rule
+            if rule is not None:
                 tensor_idx = self._tensor_idx
 
                 def fake(*vals: Any) -> Any:
-                    shape, dtype = out.rule(*[vals[i] for i in tensor_idx])
+                    shape, dtype = rule(*[vals[i] for i in tensor_idx])
                     return vals[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
             else:
-                like = out.like
+                like: Any = out.like
 
                 def fake(*vals: Any) -> Any:
                     x = vals[like]
@@ -361,7 +362,7 @@ class Kernel:
             _JAX_TARGETS[self._target] = self._ffi
         import numpy as np
 
-        attrs = []
+        named = []
         for i in self._attr_idx:
             n = self._params[i]
             if isinstance(vals[i], jax.core.Tracer):
@@ -369,8 +370,8 @@ class Kernel:
                     f"{self.__name__}: {n} is an XLA attribute, static under jax.jit: pass a Python "
                     f"number (close over it, or jax.jit(..., static_argnames=...)), not a traced value"
                 )
-            attrs.append((n, np.dtype(self._attrs[n]).type(vals[i])))
-        attrs = tuple(attrs)
+            named.append((n, np.dtype(self._attrs[n]).type(vals[i])))
+        attrs = tuple(named)
         tensors = [vals[i] for i in self._tensor_idx]
         if self._backward is None:
             return self._jax_ffi(jax, attrs, tensors)
