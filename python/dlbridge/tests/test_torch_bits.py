@@ -84,3 +84,34 @@ def test_a_subclass_is_asked_through_its_methods() -> None:
     with pytest.raises(BufferError, match="resolve_neg"):
         dlbridge.from_dlpack(s)
     dlbridge.from_dlpack(torch.arange(3.0).as_subclass(Sub))
+
+
+@hooks
+def test_a_duck_typed_tensor_seen_before_torch_is_imported_decides_nothing() -> None:
+    # A type with torch's accessors (requires_grad, is_neg) imported before torch must not fix
+    # the choice for the whole process: the kernels are looked for once torch is there.
+    need("torch")
+    need("numpy")
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, numpy as np, dlbridge
+        class Duck:
+            requires_grad = False
+            def is_neg(self): return False
+            def is_conj(self): return False
+            def __init__(self): self.a = np.arange(3.0)
+            def __dlpack__(self, **kw): return self.a.__dlpack__(**kw)
+            def __dlpack_device__(self): return self.a.__dlpack_device__()
+        assert "torch" not in sys.modules
+        dlbridge.from_dlpack(Duck())
+        import torch
+        assert dlbridge._dlbridge._torch_bits_from_aten() is True
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

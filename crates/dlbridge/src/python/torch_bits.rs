@@ -55,10 +55,26 @@ unsafe extern "C" {
 
 static BITS: PyOnceLock<Option<AtenBits>> = PyOnceLock::new();
 
-/// The verified kernels, found once per process (`None`: use the methods).
+/// The verified kernels, found once per process (`None`: use the methods). Decided the first time
+/// it is asked with torch imported (a duck-typed tensor seen before torch is imported decides
+/// nothing).
 #[inline]
 pub(crate) fn aten_bits(py: Python<'_>) -> Option<&'static AtenBits> {
+    if let Some(found) = BITS.get(py) {
+        return found.as_ref();
+    }
+    if !torch_imported(py) {
+        return None;
+    }
     BITS.get_or_init(py, || find(py).ok().flatten()).as_ref()
+}
+
+/// Whether `torch` is in `sys.modules` (dlbridge never imports it for this).
+#[cold]
+fn torch_imported(py: Python<'_>) -> bool {
+    py.import("sys")
+        .and_then(|sys| sys.getattr("modules"))
+        .is_ok_and(|m| m.contains("torch").unwrap_or(false))
 }
 
 impl AtenBits {
