@@ -122,7 +122,9 @@ def test_ray_get_of_a_tensor_made_in_a_task(ray):
     ref = np.zeros(1 << 20, dtype=np.float32) + 3
     r = ray.put(ref)
     b = ray.get(r, timeout=WAIT)
-    assert region(u.data_ptr)[2] == region(b.ctypes.data)[2]  # the store, as numpy's
+    store = region(b.ctypes.data)[2]
+    assert store, "numpy's array is in a named mapping (Ray's store)"
+    assert region(u.data_ptr)[2] == store  # the store, as numpy's
     assert np.from_dlpack(u)[5] == 5.0
 
 

@@ -89,7 +89,11 @@ fn refused(obj: &Bound<'_, PyAny>, method: &str, e: PyErr) -> PyErr {
 /// Reads `__dlpack_device__()`'s `(type, id)` result.
 fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
     let py = obj.py();
-    let Some(f) = obj.getattr_opt(intern!(py, "__dlpack_device__"))? else { return Ok(None) };
+    // A property or __getattr__ may refuse already when the method is looked up.
+    let found = obj
+        .getattr_opt(intern!(py, "__dlpack_device__"))
+        .map_err(|e| refused(obj, "__dlpack_device__", e))?;
+    let Some(f) = found else { return Ok(None) };
     let r = f.call0().map_err(|e| refused(obj, "__dlpack_device__", e))?;
     let (t, id) = r.extract::<(i32, i32)>().map_err(|_| {
         PyTypeError::new_err(format!(
