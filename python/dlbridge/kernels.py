@@ -72,9 +72,9 @@ def _route_of(tp: type) -> int:
         # tensors while torch.compile's AOTAutograd traces a backward, user subclasses) always
         # go through the custom op.
         route = 2 if tp is torch.Tensor or tp is torch.nn.Parameter else 4
-    if route or (jax is not None and torch is not None):
-        # Once both frameworks are loaded the answer cannot change.
-        _ROUTE[tp] = route
+    # The answer never changes: a class's bases are fixed when it is made, so a type that exists
+    # before jax or torch is imported cannot be a subclass of theirs.
+    _ROUTE[tp] = route
     return route
 
 
