@@ -33,11 +33,17 @@
 //! another library in this process may be (see ARCHITECTURE.md, "What the memory rule cannot
 //! cover"): a slice over a segment is only protected from this process's own dlbridge handles.
 //!
-//! # CUDA (not implemented)
+//! # CUDA
 //!
-//! CUDA tensors would travel as CUDA IPC handles (`cuIpcGetMemHandle`), opened once per process
-//! and device; nothing of that exists yet: pickling a tensor that is not in host memory is a
-//! `TypeError`.
+//! CUDA tensors do not use segments: they travel as CUDA IPC handles
+//! ([`Driver::ipc_export`](crate::cuda::Driver::ipc_export) /
+//! [`Driver::ipc_open`](crate::cuda::Driver::ipc_open), pickled by `python/shared.rs`), opened
+//! once per process, handle and device, and closed when the last tensor over the mapping drops. The
+//! contract differs from segments on two points: CUDA IPC keeps nothing alive, so the sender must
+//! keep its tensor until every receiver is done with it (for segments, a receiver's own mapping
+//! keeps the memory); and device work is asynchronous, so pickling first waits for the work
+//! queued on the device (`cuCtxSynchronize` in the primary context), and a receiver's writes
+//! reach the sender once the receiver has synchronised and said so (the handle carries no event).
 
 use std::ffi::c_void;
 use std::fs::File;

@@ -173,15 +173,15 @@ def test_deepcopy_copies():
     assert np.from_dlpack(d).tolist() == a.tolist() and not d.readonly
 
 
-def test_a_device_tensor_refuses_to_pickle_and_to_share():
-    """CUDA IPC is not implemented: a tensor in device memory says so (a ctypes capsule that claims
-    cuda:0; its address is never dereferenced)."""
+def test_a_tensor_on_another_device_refuses_to_pickle_and_to_share():
+    """Host and CUDA memory pickle (CUDA: test_cuda_ipc.py); other devices say so (a ctypes capsule
+    that claims rocm:0; its address is never dereferenced)."""
     from ._dlpack_ctypes import FakeCapsule
 
-    fake = FakeCapsule(device=(2, 0), data=0x7F00_0000_0000)
+    fake = FakeCapsule(device=(10, 0), data=0x7F00_0000_0000)
     t = dlbridge.from_dlpack(fake.capsule)
     for protocol in (2, 5):
-        with pytest.raises(TypeError, match="cuda:0: only host memory pickles"):
+        with pytest.raises(TypeError, match="rocm:0: only host and CUDA memory pickle"):
             pickle.dumps(t, protocol=protocol)
-    with pytest.raises(BufferError, match="cuda:0; only host memory can be shared"):
+    with pytest.raises(BufferError, match="rocm:0; only host and CUDA memory can be shared"):
         dlbridge.share(t)

@@ -18,7 +18,29 @@
 //! that is not the tensor's. Unpickling a buffer gives a tensor over that buffer (zero-copy: a Ray
 //! worker's tensor lies in the object store), read-only if the tensor was or if the buffer is
 //! (the object store's are, as numpy's arrays from it are); bytes are copied once into aligned
-//! memory. Tensors not in host memory refuse to pickle (CUDA IPC is not implemented).
+//! memory.
+//!
+//! A **CUDA** Tensor pickles as a CUDA IPC handle (whatever the protocol; under 1 KiB): the
+//! 64-byte `cuIpcGetMemHandle` handle of the allocation its memory lies in, the data's byte
+//! offset in it, the allocation's size, the device ordinal, the pickling process's pid, and the
+//! dtype, shape, strides and flags. Another process opens it on the same device ordinal (in the
+//! device's primary context) and gets a Tensor over the same memory, which closes the mapping
+//! (`cuIpcCloseMemHandle`) when the last Tensor over it drops; the process that pickled it (CUDA
+//! will not open a process's own handle) gets a Tensor over the original memory, which keeps the
+//! original Tensor alive, as long as that Tensor is still alive (else a BufferError).
+//! - *Streams*: pickling waits (GIL released) until all work queued on the device's primary
+//!   context has finished (`cuCtxSynchronize`), so a receiver reads on any stream what the sender
+//!   queued before pickling; the handle carries no event. Writes in the receiver reach the
+//!   sender's view when the receiver has synchronised (e.g. `torch.cuda.synchronize()`) and said
+//!   so (a queue, an event): dlbridge does not order work across processes after the handle.
+//! - *Lifetime*: CUDA IPC does not keep memory alive: the sender must keep the Tensor (or what it
+//!   came from) until every receiver is done with it and has dropped it, as for host handles;
+//!   freeing it earlier leaves receivers reading memory the sender's allocator may reuse.
+//! - Only memory from `cudaMalloc`/`cuMemAlloc` (torch's and cupy's default allocators) has a
+//!   handle; managed memory, stream-ordered pools and VMM allocations refuse (BufferError). The
+//!   ordinal names the same GPU only where both processes see the same devices
+//!   (`CUDA_VISIBLE_DEVICES`). Without a CUDA driver, pickling a CUDA Tensor and unpickling a CUDA
+//!   handle are BufferErrors that say so. Other device types refuse to pickle (TypeError).
 //!
 //! Unpickling checks every field of what it is given (BufferError naming the field): a pickle is
 //! data from elsewhere.
@@ -35,6 +57,8 @@ use pyo3::types::{PyBytes, PyTuple};
 use super::Tensor;
 use super::protocols::asdlpack_with;
 use super::types::PyDType;
+use crate::cuda::{Driver, IPC_HANDLE_SIZE};
+use crate::device::DeviceType;
 use crate::dtype::{DataType, TypeCode};
 use crate::export::{AlignedBuffer, HostBuffer};
 use crate::flags::Flags;
@@ -45,11 +69,15 @@ use crate::shm::{Handle, Segment, SegmentId};
 /// The first item of a shared tensor's handle tuple, and its version.
 const HANDLE_TAG: &str = "dlbridge-shm";
 const HANDLE_VERSION: u32 = 1;
+/// The first item of a CUDA tensor's handle tuple, and its version.
+const CUDA_TAG: &str = "dlbridge-cuda";
+const CUDA_VERSION: u32 = 1;
 
 /// The rebuild functions pickles name (registered by [`add`], so a pickle names this module's).
 static REBUILD_SHARED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_BUFFER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_BYTES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static REBUILD_CUDA: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// Adds `shared_empty`, `share` and the private rebuild functions to a module.
 pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -60,13 +88,14 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (wrap_pyfunction!(_rebuild_shared, m)?, &REBUILD_SHARED),
         (wrap_pyfunction!(_rebuild_buffer, m)?, &REBUILD_BUFFER),
         (wrap_pyfunction!(_rebuild_bytes, m)?, &REBUILD_BYTES),
+        (wrap_pyfunction!(_rebuild_cuda, m)?, &REBUILD_CUDA),
     ] {
         m.add_function(f.clone())?;
         let _ = slot.set(py, f.into_any().unbind());
     }
     // PyO3 lists every added function in `__all__`; the rebuild functions are private.
     let all = m.index()?;
-    for name in ["_rebuild_shared", "_rebuild_buffer", "_rebuild_bytes"] {
+    for name in ["_rebuild_shared", "_rebuild_buffer", "_rebuild_bytes", "_rebuild_cuda"] {
         all.call_method1("remove", (name,))?;
     }
     Ok(())
@@ -187,24 +216,31 @@ fn segment_of(t: &ManagedTensor) -> Option<(Arc<Segment>, u64, u64)> {
 
 /// `dlbridge.share(x)`: a shared tensor with `x`'s contents (dtype, shape, read-only-ness): `x`
 /// itself, as a Tensor, when its memory already lies in a shared segment; otherwise one copy into
-/// a new segment (C-contiguous).
+/// a new segment (C-contiguous). A CUDA `x` is returned as a Tensor over the same memory (no
+/// copy) once the driver has confirmed that its allocation has a CUDA IPC handle; its pickle is
+/// that handle (see the module docs for the stream and lifetime contract).
 ///
 /// Args:
-///     x: any DLPack producer or object with an array protocol, in host memory.
+///     x: any DLPack producer or object with an array protocol, in host memory or CUDA memory.
 ///
 /// Returns:
 ///     A shared `dlbridge.Tensor`.
 ///
 /// Raises:
 ///     TypeError: `x` speaks no array protocol.
-///     BufferError: `x` is not in host memory, its dtype cannot be copied compactly (a packed
-///         sub-byte dtype with strides), or the segment cannot be made.
+///     BufferError: `x` is on another device, its dtype cannot be copied compactly (a packed
+///         sub-byte dtype with strides), or the segment cannot be made; for CUDA memory, no
+///         CUDA driver, or memory without an IPC handle (managed memory, a stream-ordered pool).
 #[pyfunction]
 fn share(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let t = asdlpack_with(x, None)?.tensor;
+    if t.device().device_type() == DeviceType::CUDA {
+        cuda_export(&t, "share()")?;
+        return Ok(Tensor::new(t));
+    }
     if !t.is_host_accessible() {
         return Err(PyBufferError::new_err(format!(
-            "share(): x is on {}; only host memory can be shared (CUDA IPC is not implemented)",
+            "share(): x is on {}; only host and CUDA memory can be shared",
             t.device()
         )));
     }
@@ -241,6 +277,13 @@ fn copy_to_segment(t: &ManagedTensor, what: &str) -> PyResult<Tensor> {
 /// would give the same memory back); any other tensor's is what pickling gives (its bytes).
 pub(crate) fn deepcopy<'py>(slf: &Bound<'py, Tensor>) -> PyResult<Bound<'py, PyAny>> {
     let t = slf.get().shared();
+    if !t.is_host_accessible() {
+        // Its pickle (a CUDA IPC handle) would give the same memory back, not a copy.
+        return Err(PyTypeError::new_err(format!(
+            "cannot deepcopy a dlbridge Tensor on {}: copy it with its framework",
+            t.device()
+        )));
+    }
     if segment_of(t).is_some() {
         return Ok(Bound::new(slf.py(), copy_to_segment(t, "deepcopy()")?)?.into_any());
     }
@@ -285,9 +328,12 @@ fn dtype_tuple(t: DataType) -> (u8, u8, u16) {
 pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
     let py = slf.py();
     let t = slf.get().shared();
+    if t.device().device_type() == DeviceType::CUDA {
+        return reduce_cuda(py, t);
+    }
     if !t.is_host_accessible() {
         return Err(PyTypeError::new_err(format!(
-            "cannot pickle a dlbridge Tensor on {}: only host memory pickles (CUDA IPC is not implemented)",
+            "cannot pickle a dlbridge Tensor on {}: only host and CUDA memory pickle",
             t.device()
         )));
     }
@@ -537,4 +583,218 @@ fn _rebuild_bytes(
     padded: bool,
 ) -> PyResult<Tensor> {
     rebuild(data, meta(dtype, shape, strides, readonly, padded)?, first, true)
+}
+
+// ---- CUDA tensors: CUDA IPC handles ----------------------------------------------------------------
+
+/// The CUDA tensors this process pickled, by the IPC handle of their allocation: (device,
+/// handle, allocation base, allocation size, the tensor). Unpickling in this same process (CUDA
+/// will not open a process's own handle) finds the tensor here while it is alive.
+type Exported = (i32, [u8; IPC_HANDLE_SIZE], usize, usize, std::sync::Weak<ManagedTensor>);
+
+static EXPORTED: std::sync::Mutex<Vec<Exported>> = std::sync::Mutex::new(Vec::new());
+
+fn exported() -> std::sync::MutexGuard<'static, Vec<Exported>> {
+    // Every change is one push or retain: a panic while holding the lock leaves it consistent.
+    EXPORTED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a CUDA tensor's handle records: the allocation's IPC handle, base and size, and the data
+/// pointer's place in it as (data_offset, byte_offset).
+struct CudaExport {
+    ipc: crate::cuda::IpcExport,
+    data_offset: u64,
+    byte_offset: u64,
+}
+
+/// The IPC handle of the allocation a CUDA tensor's elements lie in, checked: the driver places
+/// the elements on the tensor's device, not in managed memory, all inside one allocation.
+fn cuda_export(t: &ManagedTensor, what: &str) -> PyResult<CudaExport> {
+    let device = t.device().id();
+    let fail = |why: String| PyBufferError::new_err(format!("{what}: a tensor on {}: {why}", t.device()));
+    let drv = Driver::get().map_err(fail)?;
+    let first = t.data_ptr() as usize;
+    let (lo, hi) = if t.numel() == 0 {
+        (0, 0)
+    } else {
+        let bits = t.dtype().storage_bits(t.flags().is_subbyte_padded());
+        layout::byte_span(t.shape(), t.strides(), bits)?
+    };
+    let start = first.checked_add_signed(lo).ok_or_else(|| fail("its span overflows".into()))?;
+    let (ordinal, managed) = drv.pointer_device(start).map_err(fail)?;
+    if ordinal != device {
+        return Err(fail(format!("the driver places its memory on device {ordinal}")));
+    }
+    if managed {
+        return Err(fail("managed (unified) memory has no CUDA IPC handle".into()));
+    }
+    let ipc = drv.ipc_export(device, start).map_err(fail)?;
+    let end = start as u128 + (hi - lo) as u128;
+    if end > ipc.base as u128 + ipc.size as u128 {
+        return Err(fail(format!(
+            "its elements run past the end of their allocation ({:#x}, {} bytes)",
+            ipc.base, ipc.size
+        )));
+    }
+    let data = t.dl_tensor().data as usize;
+    // The producer's (data, byte_offset) pair where data lies in the allocation; else the first
+    // element as data (the pair's sum is what matters).
+    let (data_offset, byte_offset) = if data >= ipc.base && data - ipc.base <= ipc.size {
+        ((data - ipc.base) as u64, t.byte_offset())
+    } else {
+        ((first - ipc.base) as u64, 0)
+    };
+    Ok(CudaExport { ipc, data_offset, byte_offset })
+}
+
+/// `Tensor.__reduce_ex__` of a CUDA tensor: a CUDA IPC handle (see the module docs).
+fn reduce_cuda<'py>(py: Python<'py>, t: &Arc<ManagedTensor>) -> PyResult<Bound<'py, PyTuple>> {
+    let what = "cannot pickle a dlbridge Tensor";
+    let ex = cuda_export(t, what)?;
+    let device = t.device().id();
+    // Everything queued on the device so far finishes before the handle exists (the stream
+    // contract); the GIL is released meanwhile.
+    py.detach(|| Driver::get().and_then(|d| d.synchronize(device)))
+        .map_err(|e| PyBufferError::new_err(format!("{what}: a tensor on {}: {e}", t.device())))?;
+    {
+        let mut reg = exported();
+        reg.retain(|e| e.4.strong_count() > 0);
+        let w = Arc::downgrade(t);
+        // Once per tensor and allocation, however often it is pickled.
+        if !reg.iter().any(|e| e.0 == device && e.1 == ex.ipc.handle && std::sync::Weak::ptr_eq(&e.4, &w)) {
+            reg.push((device, ex.ipc.handle, ex.ipc.base, ex.ipc.size, w));
+        }
+    }
+    let padded = t.flags().is_subbyte_padded();
+    let handle = (
+        (CUDA_TAG, CUDA_VERSION, std::process::id(), device, PyBytes::new(py, &ex.ipc.handle)),
+        (ex.ipc.size as u64, ex.data_offset, ex.byte_offset),
+        (dtype_tuple(t.dtype()), t.shape(), t.strides(), t.is_read_only(), padded),
+    );
+    PyTuple::new(
+        py,
+        [rebuild_fn(py, &REBUILD_CUDA)?, PyTuple::new(py, [handle.into_pyobject(py)?])?.into_any()],
+    )
+}
+
+/// A live tensor this process pickled with this handle, with its allocation's base and size.
+fn exported_tensor(
+    device: i32,
+    handle: &[u8; IPC_HANDLE_SIZE],
+) -> Option<(Arc<ManagedTensor>, usize, usize)> {
+    let reg = exported();
+    // Upgraded under the lock, dropped (if ever the last) only after it is released.
+    let found = reg
+        .iter()
+        .filter(|e| e.0 == device && &e.1 == handle)
+        .find_map(|e| e.4.upgrade().map(|t| (t, e.2, e.3)));
+    drop(reg);
+    found
+}
+
+/// Unpickles a CUDA tensor's IPC handle (private: pickles name it).
+#[pyfunction]
+fn _rebuild_cuda(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let py = handle.py();
+    super::enter(py);
+    let h = handle.cast::<PyTuple>().map_err(|_| bad("handle", "not a tuple"))?;
+    if h.len() != 3 {
+        return Err(bad("handle", format!("{} items, expected 3", h.len())));
+    }
+    let who = tuple_field(h, 0, "handle", 5)?;
+    let tag: String = field(&who, 0, "handle.tag")?;
+    let version: u32 = field(&who, 1, "handle.version")?;
+    if tag != CUDA_TAG || version != CUDA_VERSION {
+        return Err(bad(
+            "handle.version",
+            format!("{tag:?} version {version}; this dlbridge reads {CUDA_TAG:?} {CUDA_VERSION}"),
+        ));
+    }
+    let pid: u32 = field(&who, 2, "handle.pid")?;
+    let device: i32 = field(&who, 3, "handle.device")?;
+    if device < 0 {
+        return Err(bad("handle.device", format!("{device} is not a device ordinal")));
+    }
+    let ipc: Vec<u8> = field(&who, 4, "handle.ipc_handle")?;
+    let ipc: [u8; IPC_HANDLE_SIZE] = ipc.try_into().map_err(|t: Vec<u8>| {
+        bad("handle.ipc_handle", format!("{} bytes, expected {IPC_HANDLE_SIZE}", t.len()))
+    })?;
+    let place = tuple_field(h, 1, "handle", 3)?;
+    let size: u64 = field(&place, 0, "handle.size")?;
+    let data_offset: u64 = field(&place, 1, "handle.offset")?;
+    let byte_offset: u64 = field(&place, 2, "handle.byte_offset")?;
+    let desc = tuple_field(h, 2, "handle", 5)?;
+    let m = meta(
+        field(&desc, 0, "dtype")?,
+        field(&desc, 1, "shape")?,
+        field(&desc, 2, "strides")?,
+        field(&desc, 3, "readonly")?,
+        field(&desc, 4, "subbyte_padded")?,
+    )?;
+    // The layout must lie in the allocation the handle declares (and, below, in what it maps).
+    let first =
+        data_offset.checked_add(byte_offset).ok_or_else(|| bad("handle.offset", "offset overflow"))?;
+    if data_offset > size
+        || !crate::shm::fits_in(m.dtype, &m.shape, &m.strides, m.flags, first, size)
+            .map_err(|e| bad("handle.shape/strides/offsets", e))?
+    {
+        return Err(bad(
+            "handle.shape/strides/offsets",
+            format!(
+                "shape {} strides {} of {} from byte {data_offset} + {byte_offset} do not fit in the \
+                 {size}-byte allocation",
+                crate::error::tuple(&m.shape),
+                crate::error::tuple(&m.strides),
+                m.dtype
+            ),
+        ));
+    }
+    let mut flags = m.flags;
+    let (base, owner): (usize, Box<dyn Send + Sync>) = if pid == std::process::id() {
+        let Some((orig, base, alloc)) = exported_tensor(device, &ipc) else {
+            return Err(bad(
+                "handle.pid",
+                "a CUDA handle this process made, of memory no Tensor it pickled holds any more (CUDA \
+                 cannot open a process's own handle; keep the tensor until the receivers are done)",
+            ));
+        };
+        if alloc as u64 != size {
+            return Err(bad("handle.size", format!("{size}, but the allocation has {alloc} bytes")));
+        }
+        // Never more writable than the tensor it maps.
+        flags = flags.with(Flags::READ_ONLY, flags.is_read_only() || orig.is_read_only());
+        (base, Box::new(orig))
+    } else {
+        let drv = Driver::get().map_err(|e| bad("handle", format!("cannot open a CUDA IPC handle: {e}")))?;
+        let mapping = py.detach(|| drv.ipc_open(device, &ipc)).map_err(|e| bad("handle.ipc_handle", e))?;
+        // The layout lies in `size` bytes (checked above); the mapping must have them (the
+        // driver may report an importer's allocation rounded up to its granularity).
+        if (mapping.size() as u64) < size {
+            return Err(bad(
+                "handle.size",
+                format!("{size}, but the opened allocation has only {} bytes", mapping.size()),
+            ));
+        }
+        (mapping.ptr(), Box::new(mapping))
+    };
+    let data = base.wrapping_add(data_offset as usize) as *mut c_void;
+    // SAFETY: every element the layout reaches lies inside `size` bytes from `base` (checked
+    // above), which the allocation has (the size the driver reports for the opened mapping, or
+    // the one recorded when this process pickled it); the owner keeps it alive: the IPC mapping (closed when the last
+    // tensor drops) or the live tensor this process pickled. Other processes may write it (see
+    // the module docs); nothing here dereferences device memory.
+    let t = unsafe {
+        ManagedTensor::from_raw_parts(
+            data,
+            crate::Device::cuda(device),
+            m.dtype,
+            &m.shape,
+            Some(&m.strides),
+            byte_offset,
+            flags,
+            owner,
+        )
+    }
+    .map_err(|e| bad("handle.shape/strides/offsets", e))?;
+    Ok(Tensor::new(t))
 }

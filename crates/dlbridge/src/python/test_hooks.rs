@@ -13,6 +13,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_drop_while_caller_holds_the_gil, m)?)?;
     m.add_function(wrap_pyfunction!(_drop_on_worker, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
+    m.add_function(wrap_pyfunction!(_cuda_ipc_mappings, m)?)?;
     m.add_function(wrap_pyfunction!(_numpy_fast_path, m)?)?;
     m.add_function(wrap_pyfunction!(_view, m)?)?;
     m.add_function(wrap_pyfunction!(_view_then, m)?)?;
@@ -47,6 +48,12 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[pyfunction]
 fn _cuda_driver_available() -> bool {
     crate::cuda::Driver::get().is_ok()
+}
+
+/// The CUDA IPC mappings this process holds, as `(device, pointer, size)` (closed ones are gone).
+#[pyfunction]
+fn _cuda_ipc_mappings() -> Vec<(i32, usize, usize)> {
+    crate::cuda::ipc_mappings()
 }
 
 /// Whether the verified numpy struct fast path is on in this process (tests and benchmarks).
