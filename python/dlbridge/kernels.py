@@ -289,7 +289,14 @@ class Kernel:
                 parts.append(f"Tensor {n}")
         functional = self._mutated_idx is None
         schema = f"({', '.join(parts)}) -> {'Tensor' if functional else '()'}"
-        opname = re.sub(r"\W", "_", f"{self.__module__}__{self.__name__}")
+        # A valid identifier that starts with a letter (torch.ops refuses dunder-like names), new
+        # in the namespace (a kernel made twice gets a second op).
+        base = "k_" + re.sub(r"\W", "_", f"{self.__module__}__{self.__name__}").strip("_")
+        namespace = getattr(torch.ops, _NAMESPACE)
+        opname, n = base, 1
+        while hasattr(namespace, opname):
+            n += 1
+            opname = f"{base}_{n}"
 
         if functional:
 
@@ -328,7 +335,7 @@ class Kernel:
         if self._backward is not None:
             self._register_torch_autograd(torch, op)
         self._op = op
-        self._overload = getattr(getattr(torch.ops, _NAMESPACE), opname).default
+        self._overload = getattr(namespace, opname).default
 
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx

@@ -124,6 +124,17 @@ def test_saxpy_compiles_and_the_in_place_one_mutates():
     torch.testing.assert_close(ys, torch.tensor([2.0, 3.0, 4.0, 5.0]))
 
 
+def test_torch_export_keeps_the_op():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return k.softmax(x) * 2
+
+    x = torch.randn(3, 4)
+    ep = torch.export.export(M(), (x,))
+    assert "dlbridge_kernels" in ep.graph_module.code
+    torch.testing.assert_close(ep.module()(x), k.softmax(x) * 2)
+
+
 # --- autograd ---
 
 

@@ -107,3 +107,38 @@ def test_jax_tracers_need_a_handler():
     k = fresh(scale)
     with pytest.raises(TypeError, match="has no XLA FFI handler"):
         jax.jit(k)(jax.numpy.ones(3))
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_a_kernel_made_before_torch_is_imported_compiles():
+    """The op is made right after torch's own import (dynamo cannot trace its creation)."""
+    import subprocess
+    import sys
+
+    code = """
+import dlbridge.kernels as K
+def twice(x):
+    return x * 2
+k = K.kernel(twice)
+import torch
+x = torch.arange(3.0)
+assert torch.equal(torch.compile(lambda a: k(a) + 1, fullgraph=True)(x), x * 2 + 1)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_a_kernel_made_twice_gets_a_second_op():
+    import torch
+
+    def plus_one(x):
+        return x + 1
+
+    plus_one.__name__ = f"plus_one_{next(_names)}"
+    a, b = kernel(plus_one), kernel(plus_one)
+    assert a.torch_op is not b.torch_op
+    x = torch.zeros(2)
+    for k in (a, b):
+        assert torch.equal(torch.compile(lambda t, k=k: k(t) * 2, fullgraph=True)(x), torch.full((2,), 2.0))
