@@ -293,10 +293,10 @@ class Kernel:
         # in the namespace (a kernel made twice gets a second op).
         base = "k_" + re.sub(r"\W", "_", f"{self.__module__}__{self.__name__}").strip("_")
         namespace = getattr(torch.ops, _NAMESPACE)
-        opname, n = base, 1
+        opname, copy = base, 1
         while hasattr(namespace, opname):
-            n += 1
-            opname = f"{base}_{n}"
+            copy += 1
+            opname = f"{base}_{copy}"
 
         if functional:
 
