@@ -2,8 +2,9 @@
 64-byte handle, the data's offset in it, the device ordinal, the pid, dtype/shape/strides/flags),
 which another process opens on the same device and the same process maps back to the original.
 
-Without a GPU (here, and in CI) only the refusals run: fake device pointers that are never
-dereferenced, crafted handles. The tests marked `gpu` need torch with CUDA (and cupy for one) and
+Without a GPU: the refusals (fake device pointers that are never dereferenced, crafted handles),
+and the whole path against a fake libcuda.so.1 compiled for the test (device memory that is shared
+host memory), in a subprocess. The tests marked `gpu` need torch with CUDA (and cupy for one) and
 are skipped elsewhere.
 """
 
@@ -157,6 +158,187 @@ def test_mutated_handles_never_crash():
             continue
         with pytest.raises(BufferError):
             rebuild_cuda(bad)
+
+
+# ---- the whole path through a fake driver (a C compiler needed; no GPU) -----------------------------
+
+# A libcuda.so.1 for this test only: "device memory" is shared host memory (a memfd), an IPC handle
+# names the exporter's descriptor, and every call that needs a current context checks that one was
+# pushed. It lets the export, open-once-per-process, close-on-drop and same-process paths run here.
+FAKE_DRIVER = r"""
+// A fake CUDA driver for test_cuda_ipc.py: "device memory" is shared host memory (memfd).
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+typedef unsigned long long u64;
+typedef struct { char reserved[64]; } H;
+struct hd { char magic[8]; int pid; int fd; u64 size; };
+struct alloc { u64 base; u64 size; int fd; int imported; int live; };
+static struct alloc A[256]; static int nA;
+static __thread int depth;
+static int retains; int fake_syncs, fake_opens, fake_closes, fake_ctx_errors;
+int fake_retains(void) { return retains; }
+static struct alloc *find(u64 p) { for (int i = 0; i < nA; i++) if (A[i].live && p >= A[i].base && p < A[i].base + A[i].size) return &A[i]; return 0; }
+int cuInit(unsigned f) { return 0; }
+int cuDeviceGet(int *d, int o) { if (o != 0) return 101; *d = 0; return 0; }
+int cuDevicePrimaryCtxRetain(void **c, int d) { *c = (void *)0x1; retains++; return 0; }
+int cuDevicePrimaryCtxRelease_v2(int d) { retains--; return 0; }
+int cuCtxPushCurrent_v2(void *c) { depth++; return 0; }
+int cuCtxPopCurrent_v2(void **c) { if (!depth) return 201; depth--; *c = (void *)1; return 0; }
+int cuEventCreate(void **e, unsigned f) { *e = (void *)2; return 0; }
+int cuEventRecord(void *e, void *s) { return 0; }
+int cuStreamWaitEvent(void *s, void *e, unsigned f) { return 0; }
+int cuEventDestroy_v2(void *e) { return 0; }
+int cuCtxSynchronize(void) { if (!depth) { fake_ctx_errors++; return 201; } fake_syncs++; return 0; }
+int cuPointerGetAttribute(void *data, int attr, u64 p) {
+  if (!find(p)) return 1;
+  if (attr == 9) *(int *)data = 0; else if (attr == 8) *(unsigned *)data = 0; else return 1;
+  return 0;
+}
+int cuMemAlloc_v2(u64 *p, size_t size) {
+  int fd = memfd_create("fakecuda", 0); ftruncate(fd, size);
+  void *m = mmap(0, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  A[nA++] = (struct alloc){(u64)m, size, fd, 0, 1}; *p = (u64)m; return 0;
+}
+int cuMemGetAddressRange_v2(u64 *b, size_t *s, u64 p) {
+  if (!depth) { fake_ctx_errors++; return 201; }
+  struct alloc *a = find(p); if (!a) return 1; *b = a->base; *s = a->size; return 0;
+}
+int cuIpcGetMemHandle(H *h, u64 p) {
+  if (!depth) { fake_ctx_errors++; return 201; }
+  struct alloc *a = find(p); if (!a || a->base != p || a->imported) return 1;
+  struct hd d = {"FAKEIPC", getpid(), a->fd, a->size}; memset(h, 0, 64); memcpy(h, &d, sizeof d); return 0;
+}
+int cuIpcOpenMemHandle_v2(u64 *p, H h, unsigned flags) {
+  if (!depth) { fake_ctx_errors++; return 201; }
+  struct hd d; memcpy(&d, &h, sizeof d);
+  if (memcmp(d.magic, "FAKEIPC", 8)) return 400;
+  if (d.pid == getpid()) return 201;
+  for (int i = 0; i < nA; i++) if (A[i].live && A[i].imported && A[i].fd == d.fd) return 208; // already mapped
+  char path[64]; snprintf(path, sizeof path, "/proc/%d/fd/%d", d.pid, d.fd);
+  int fd = open(path, O_RDWR); if (fd < 0) return 400;
+  void *m = mmap(0, d.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); close(fd);
+  A[nA++] = (struct alloc){(u64)m, d.size, d.fd, 1, 1}; *p = (u64)m; fake_opens++; return 0;
+}
+int cuIpcCloseMemHandle(u64 p) {
+  if (!depth) { fake_ctx_errors++; return 201; }
+  struct alloc *a = find(p); if (!a || !a->imported || a->base != p) return 1;
+  munmap((void *)a->base, a->size); a->live = 0; fake_closes++; return 0;
+}
+"""
+
+FAKE_CHECK = r"""
+import ctypes, gc, multiprocessing as mp, pickle
+import dlbridge
+from dlbridge._dlbridge import _cuda_ipc_mappings
+
+lib = ctypes.CDLL("libcuda.so.1")
+
+def count(name):
+    return ctypes.c_int.in_dll(lib, name).value
+
+class CAI:
+    def __init__(self, ptr, ro=False, shape=(4, 4), strides=None):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "data": (ptr, ro), "version": 3,
+                                         "strides": strides, "stream": None}
+
+def floats(ptr, n):
+    return (ctypes.c_float * n).from_address(ptr)
+
+def child(q, data):
+    try:
+        assert _cuda_ipc_mappings() == []
+        t = pickle.loads(data)
+        u = pickle.loads(data)
+        f = floats(t.data_ptr, 2)
+        q.put((str(t.device), t.shape, t.strides, t.readonly, f[0], len(_cuda_ipc_mappings()),
+               u.data_ptr == t.data_ptr, count("fake_opens")))
+        f[1] = 7.0
+        del f, t, u
+        gc.collect()
+        q.put((_cuda_ipc_mappings(), count("fake_closes"), lib.fake_retains()))
+        for _ in range(5):
+            v = pickle.loads(data)
+            del v
+        q.put((_cuda_ipc_mappings(), count("fake_opens"), count("fake_closes"), lib.fake_retains(),
+               count("fake_ctx_errors")))
+    except BaseException:
+        import traceback
+        q.put(("error", traceback.format_exc()))
+
+def run(ctx, data):
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q, data))
+    p.start()
+    out = [q.get(timeout=60) for _ in range(3)]
+    p.join(60)
+    assert p.exitcode == 0 and "error" not in out[0], out
+    return out
+
+if __name__ == "__main__":
+    p = ctypes.c_ulonglong()
+    assert lib.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(4096)) == 0
+    base = p.value
+    f = floats(base + 256, 16)
+    for i in range(16):
+        f[i] = i + 1.0
+    t = dlbridge.asdlpack(CAI(base + 256))
+    assert str(t.device) == "cuda:0"
+    assert dlbridge.share(t).data_ptr == t.data_ptr
+    data = pickle.dumps(t)
+    assert len(data) < 1024 and count("fake_syncs") == 1
+    (tag, version, pid, device, ipc), place, desc = t.__reduce_ex__(5)[1][0]
+    assert (tag, version, device, len(ipc), place) == ("dlbridge-cuda", 1, 0, 64, (4096, 256, 0))
+    assert desc == ((2, 32, 1), [4, 4], [4, 1], False, False)
+    u = pickle.loads(data)  # the same process: the original memory
+    assert u.data_ptr == t.data_ptr and str(u.device) == "cuda:0"
+    view = dlbridge.asdlpack(CAI(base + 260, ro=True, shape=(3, 4), strides=(4, 16)))
+    w = pickle.loads(pickle.dumps(view))
+    assert w.readonly and w.strides == view.strides and w.data_ptr == view.data_ptr
+    ctx = mp.get_context("spawn")
+    seen, dropped, cycles = run(ctx, data)
+    assert seen == ("cuda:0", (4, 4), (4, 1), False, 1.0, 1, True, 1), seen
+    assert dropped == ([], 1, 0), dropped  # closed, the primary context released
+    assert cycles == ([], 6, 6, 0, 0), cycles  # opened and closed once per cycle; contexts current
+    assert f[1] == 7.0  # the child's write
+    seen, _, _ = run(ctx, pickle.dumps(view))
+    assert seen == ("cuda:0", (3, 4), (1, 4), True, 7.0, 1, True, 1), seen
+    assert count("fake_ctx_errors") == 0 and lib.fake_retains() == 0
+    del t, u, w, view
+    gc.collect()
+    try:
+        pickle.loads(data)
+        raise AssertionError("a handle of this process's dropped tensor was loaded")
+    except BufferError as e:
+        assert "handle.pid" in str(e), e
+    print("fake driver: OK")
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.hooks
+def test_the_whole_path_through_a_fake_driver(tmp_path):
+    """Pickle (handle, synchronise), same-process map-back, a spawn child that opens once, writes,
+    closes on the last drop and reopens; the stale same-process handle; against a fake libcuda."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the fake driver")
+    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "fake.c")],
+                   check=True, capture_output=True, timeout=WAIT)
+    (tmp_path / "check.py").write_text(FAKE_CHECK)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, str(tmp_path / "check.py")], env=env, capture_output=True, text=True,
+                       timeout=WAIT, cwd=tmp_path)
+    assert r.returncode == 0 and "fake driver: OK" in r.stdout, r.stdout + r.stderr
 
 
 # ---- real GPU (run on a machine with CUDA; skipped elsewhere) --------------------------------------
