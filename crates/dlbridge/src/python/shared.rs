@@ -397,6 +397,31 @@ fn field<'py, T: for<'a> FromPyObject<'a, 'py>>(
     })
 }
 
+/// A handle's outer tuple (three parts) and its first part (`who_len` items: tag, version, pid,
+/// then the kind's own), with the tag and version checked: `(handle, who, pid)`.
+fn handle_header<'a, 'py>(
+    handle: &'a Bound<'py, PyAny>,
+    tag: &str,
+    version: u32,
+    who_len: usize,
+) -> PyResult<(&'a Bound<'py, PyTuple>, Bound<'py, PyTuple>, u32)> {
+    let h = handle.cast::<PyTuple>().map_err(|_| bad("handle", "not a tuple"))?;
+    if h.len() != 3 {
+        return Err(bad("handle", format!("{} items, expected 3", h.len())));
+    }
+    let who = tuple_field(h, 0, "handle", who_len)?;
+    let got_tag: String = field(&who, 0, "handle.tag")?;
+    let got_version: u32 = field(&who, 1, "handle.version")?;
+    if got_tag != tag || got_version != version {
+        return Err(bad(
+            "handle.version",
+            format!("{got_tag:?} version {got_version}; this dlbridge reads {tag:?} {version}"),
+        ));
+    }
+    let pid: u32 = field(&who, 2, "handle.pid")?;
+    Ok((h, who, pid))
+}
+
 fn tuple_field<'py>(
     t: &Bound<'py, PyTuple>,
     i: usize,
@@ -445,20 +470,7 @@ fn meta(
 #[pyfunction]
 fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     super::enter(handle.py());
-    let h = handle.cast::<PyTuple>().map_err(|_| bad("handle", "not a tuple"))?;
-    if h.len() != 3 {
-        return Err(bad("handle", format!("{} items, expected 3", h.len())));
-    }
-    let who = tuple_field(h, 0, "handle", 7)?;
-    let tag: String = field(&who, 0, "handle.tag")?;
-    let version: u32 = field(&who, 1, "handle.version")?;
-    if tag != HANDLE_TAG || version != HANDLE_VERSION {
-        return Err(bad(
-            "handle.version",
-            format!("{tag:?} version {version}; this dlbridge reads {HANDLE_TAG:?} {HANDLE_VERSION}"),
-        ));
-    }
-    let pid: u32 = field(&who, 2, "handle.pid")?;
+    let (h, who, pid) = handle_header(handle, HANDLE_TAG, HANDLE_VERSION, 7)?;
     let fd: i32 = field(&who, 3, "handle.fd")?;
     let (dev, ino): (u64, u64) = (field(&who, 4, "handle.dev")?, field(&who, 5, "handle.inode")?);
     let token: Vec<u8> = field(&who, 6, "handle.token")?;
@@ -697,20 +709,7 @@ fn exported_tensor(
 fn _rebuild_cuda(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let py = handle.py();
     super::enter(py);
-    let h = handle.cast::<PyTuple>().map_err(|_| bad("handle", "not a tuple"))?;
-    if h.len() != 3 {
-        return Err(bad("handle", format!("{} items, expected 3", h.len())));
-    }
-    let who = tuple_field(h, 0, "handle", 5)?;
-    let tag: String = field(&who, 0, "handle.tag")?;
-    let version: u32 = field(&who, 1, "handle.version")?;
-    if tag != CUDA_TAG || version != CUDA_VERSION {
-        return Err(bad(
-            "handle.version",
-            format!("{tag:?} version {version}; this dlbridge reads {CUDA_TAG:?} {CUDA_VERSION}"),
-        ));
-    }
-    let pid: u32 = field(&who, 2, "handle.pid")?;
+    let (h, who, pid) = handle_header(handle, CUDA_TAG, CUDA_VERSION, 5)?;
     let device: i32 = field(&who, 3, "handle.device")?;
     if device < 0 {
         return Err(bad("handle.device", format!("{device} is not a device ordinal")));
