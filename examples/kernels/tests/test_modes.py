@@ -13,6 +13,10 @@ from dlbridge.kernels import Kernel
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 torch = pytest.importorskip("torch")
+# torch.compile's triton and tensorflow each load an LLVM; triton's aborts the process when
+# tensorflow's came first (the other order works): load it now, before a later test imports
+# tensorflow (python/dlbridge/tests/conftest.py does the same for the whole session).
+import torch._dynamo  # noqa: E402, F401
 jax.config.update("jax_enable_x64", True)
 
 RNG = np.random.default_rng(22)
@@ -159,8 +163,7 @@ def test_jax_grad_of_softmax_matches_finite_differences():
 
 def test_torch_gradcheck_of_softmax():
     x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(k.softmax, (x,))
-    assert torch.autograd.gradgradcheck is not None  # (double backward is not claimed)
+    assert torch.autograd.gradcheck(k.softmax, (x,))  # first order (no double backward is claimed)
 
 
 def test_torch_compile_backward_equals_eager():

@@ -5,7 +5,24 @@ import pytest
 import dlbridge
 
 
+def _dynamo_before_tensorflow():
+    """torch.compile imports triton, whose LLVM aborts the process ("Option ... registered more
+    than once") when tensorflow's LLVM was loaded first; the other order works. The kernel tests
+    compile with torch in the same session as tests that import tensorflow, so torch's compiler
+    is loaded first, wherever both are installed."""
+    import importlib.util
+    import sys
+
+    from .libs import have
+
+    if "tensorflow" in sys.modules or importlib.util.find_spec("tensorflow") is None:
+        return
+    if have("torch"):
+        import torch._dynamo  # noqa: F401
+
+
 def pytest_configure(config):
+    _dynamo_before_tensorflow()
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where none is present")
     config.addinivalue_line(
         "markers", "processes: starts child processes (each waited for with a bound, then reaped)"
