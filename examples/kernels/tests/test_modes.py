@@ -69,6 +69,14 @@ def test_in_place_saxpy_is_functional_under_jit():
     close(y, np.ones(4))  # the caller's array is untouched: XLA aliased a copy, or a donated buffer
 
 
+def test_in_place_saxpy_writes_a_donated_buffer_in_place():
+    x, y = jnp.arange(4.0, dtype=jnp.float32), jnp.ones(4, jnp.float32)
+    where = y.unsafe_buffer_pointer()
+    out = jax.jit(lambda x, y: k.saxpy_(3.0, x, y), donate_argnums=1)(x, y)
+    close(out, [1.0, 4.0, 7.0, 10.0])
+    assert y.is_deleted() and out.unsafe_buffer_pointer() == where  # no copy: y's memory, written
+
+
 def test_kernels_mix_with_jnp_in_one_jit():
     a, w, b = rand(8, 10), rand(10), rand(10)
 
