@@ -189,7 +189,8 @@ enum Platform {
 struct Api<'a>(&'a XLA_FFI_Api);
 
 /// The end of the API table's fields dlbridge reads, for a table `struct_size` must cover.
-const API_NEEDS: usize = std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Error_Destroy);
+const API_NEEDS: usize =
+    std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Error_Destroy) + size_of::<Option<XLA_FFI_Error_Destroy>>();
 
 impl Api<'_> {
     fn error(self, code: XLA_FFI_Error_Code, message: &str) -> *mut XLA_FFI_Error {

@@ -530,6 +530,10 @@ fn the_api_version_is_checked_and_an_unusable_table_is_left_alone() {
     // SAFETY: as above.
     unsafe { (*table).struct_size = 16 };
     f.call(saxpy).unwrap();
+    // A table that ends before XLA_FFI_Error_Destroy (a function the layer may call).
+    // SAFETY: as above.
+    unsafe { (*table).struct_size = std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Error_Destroy) };
+    f.call(saxpy).unwrap();
     f.frame.api = null();
     f.call(saxpy).unwrap();
     drop(f);
