@@ -58,6 +58,7 @@ _ROUTE: dict[type, int] = {}
 # FFI targets already registered with jax (name -> capsule), and every kernel made so far (their
 # torch ops are made once torch is imported).
 _JAX_TARGETS: dict[str, Any] = {}
+_TARGET_NAMES: set[str] = set()
 _PENDING_TORCH: list[Kernel] = []
 
 
@@ -153,7 +154,14 @@ class Kernel:
         if mutates and self._returns and self._out.like != self._mutated_idx:
             raise ValueError(f"kernel {self.__name__}: an in-place kernel's result is its argument {mutates[0]!r}")
         self._ffi = ffi
-        self._target = re.sub(r"[^0-9A-Za-z_.]", "_", f"dlbridge.{module}.{self.__name__}")
+        # One XLA FFI target per kernel (a kernel made twice gets a second name).
+        target = base = re.sub(r"[^0-9A-Za-z_.]", "_", f"dlbridge.{module}.{self.__name__}")
+        copy = 1
+        while target in _TARGET_NAMES:
+            copy += 1
+            target = f"{base}_{copy}"
+        _TARGET_NAMES.add(target)
+        self._target = target
         if backward is not None and not callable(backward):
             bk, bargs, bgrads = backward
             for n in bargs:

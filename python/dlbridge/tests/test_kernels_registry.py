@@ -138,7 +138,7 @@ def test_a_kernel_made_twice_gets_a_second_op():
 
     plus_one.__name__ = f"plus_one_{next(_names)}"
     a, b = kernel(plus_one), kernel(plus_one)
-    assert a.torch_op is not b.torch_op
+    assert a.torch_op is not b.torch_op and a.target != b.target
     x = torch.zeros(2)
     for k in (a, b):
         assert torch.equal(torch.compile(lambda t, k=k: k(t) * 2, fullgraph=True)(x), torch.full((2,), 2.0))
