@@ -28,10 +28,12 @@ def have(name: str) -> bool:
     if name in os.environ.get("DLBRIDGE_TEST_WITHOUT", "").split(","):
         return False
     try:
-        importlib.import_module(name)
+        mod = importlib.import_module(name)
     except Exception:
         return False
-    return True
+    # A directory of that name on sys.path (Ray's /tmp/ray when the suite runs from /tmp) imports
+    # as an empty namespace package: that is not the library.
+    return getattr(mod, "__file__", None) is not None
 
 
 def need(name: str) -> Any:

@@ -27,11 +27,18 @@ WAIT = 300  # seconds: the most any ray.get waits (never a pass/fail bound on sp
 
 @pytest.fixture(scope="module")
 def ray():
+    import shutil
+    import tempfile
+
     ray = need("ray")
     need("numpy")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray's own temp dir is /tmp/ray, which shadows the library as a namespace package for any
+    # Python started in /tmp without Ray installed: keep the session's files in a dir of our own.
+    tmp = tempfile.mkdtemp(prefix="dlbridge-ray-")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
     yield ray
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def region(addr: int) -> tuple[int, int, str]:
