@@ -212,16 +212,17 @@ class Kernel:
             return args[i] if i < len(args) else kwargs[self._params[i]]
         if _PENDING_TORCH:
             _make_pending_torch_ops()
-        torch = sys.modules.get("torch")
         route = 0
         for a in args:
             r = _ROUTE.get(type(a))
             route |= _route_of(type(a)) if r is None else r
-        for a in kwargs.values():
-            r = _ROUTE.get(type(a))
-            route |= _route_of(type(a)) if r is None else r
+        if kwargs:
+            for a in kwargs.values():
+                r = _ROUTE.get(type(a))
+                route |= _route_of(type(a)) if r is None else r
         if route == 0:
             return self._fn(*args, **kwargs)
+        torch = sys.modules.get("torch")
         if route & 1:
             return self._jax_call(self._bind(args, kwargs))
         if route & 4:
