@@ -207,9 +207,19 @@ class Kernel:
             # The op's overload itself: dynamo puts it in the graph at the cost of one guard.
             if self._mutated_idx is None:
                 return self._overload(*args, **kwargs)
-            self._overload(*args, **kwargs)
             i = self._mutated_idx
-            return args[i] if i < len(args) else kwargs[self._params[i]]
+            y = args[i] if i < len(args) else kwargs[self._params[i]]
+            # What eager refuses (TensorMut at conversion) and torch refuses of its own in-place
+            # operations; under compile the kernel only ever sees AOTAutograd's functional copy,
+            # so the rule is checked here, where dynamo traces it (and guards on it).
+            if y.requires_grad and y.is_leaf and sys.modules["torch"].is_grad_enabled():
+                raise TypeError(
+                    f"{self.__name__}: argument {self._params[i]!r}: requires_grad: a leaf tensor that requires "
+                    "grad cannot be written in place (torch refuses it too); write under torch.no_grad(), or "
+                    "pass a tensor that does not require grad"
+                )
+            self._overload(*args, **kwargs)
+            return y
         if _PENDING_TORCH:
             _make_pending_torch_ops()
         route = 0

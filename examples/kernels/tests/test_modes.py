@@ -188,3 +188,21 @@ def test_eager_results_are_unchanged():
     assert type(k.softmax(x)) is np.ndarray
     assert type(k.softmax(torch.from_numpy(x))) is torch.Tensor
     assert isinstance(k.softmax(jnp.asarray(x)), jax.Array)
+
+
+def test_a_compiled_in_place_kernel_refuses_a_leaf_that_requires_grad_as_eager_does():
+    # Under torch.compile the kernel only sees AOTAutograd's functional copy; the wrapper checks
+    # torch's in-place rule where dynamo traces it (eager refuses it at argument conversion).
+    x = torch.arange(4.0)
+    g = torch.ones(4, requires_grad=True)
+    with pytest.raises(TypeError, match="requires_grad: a leaf tensor"):
+        k.saxpy_(2.0, x, g)
+    for fullgraph in (False, True):
+        f = torch.compile(lambda x, y: k.saxpy_(2.0, x, y), fullgraph=fullgraph)
+        # fullgraph wraps the refusal in dynamo's Unsupported, whose message quotes it
+        with pytest.raises(Exception, match="requires_grad: a leaf tensor that requires grad"):
+            f(x, g)
+        assert g.tolist() == [1.0, 1.0, 1.0, 1.0]
+    f = torch.compile(lambda x, y: k.saxpy_(2.0, x, y), fullgraph=True)
+    with torch.no_grad():
+        assert f(x, g).tolist() == [1.0, 3.0, 5.0, 7.0]  # allowed there, as torch allows y.add_
