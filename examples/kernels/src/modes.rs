@@ -131,6 +131,20 @@ fn same_shape(what: &str, a: &[i64], b: &[i64]) -> Result<()> {
     }
 }
 
+/// XLA passes what the caller of `ffi_call` asked for: exactly the operands and results the
+/// handler reads and writes, or a result would be left unwritten.
+fn counts(call: &Call<'_>, inputs: usize, outputs: usize) -> Result<()> {
+    if call.num_inputs() == inputs && call.num_outputs() == outputs {
+        Ok(())
+    } else {
+        Err(FfiError::invalid_argument(format!(
+            "expected {inputs} operands and {outputs} results, got {} and {}",
+            call.num_inputs(),
+            call.num_outputs()
+        )))
+    }
+}
+
 fn unsupported(name: &str, dtype: DataType, allowed: &str) -> FfiError {
     FfiError::invalid_argument(format!("{name}: expected {allowed}, got {dtype}"))
 }
@@ -138,6 +152,7 @@ fn unsupported(name: &str, dtype: DataType, allowed: &str) -> FfiError {
 dlbridge::xla_handler! {
     /// `saxpy` inside `jax.jit`: `out = a * x + y` (float32 or float64).
     pub(crate) fn saxpy_xla(call) {
+        counts(call, 2, 1)?;
         let a: f64 = call.attr("a")?;
         match call.input_any(0, "x")?.dtype() {
             DataType::FLOAT32 => saxpy_ffi::<f32>(call, a),
@@ -152,6 +167,7 @@ fn saxpy_ffi<T: Real>(call: &Call<'_>, a: f64) -> Result<()> {
     let y = call.input::<T, Rank<1>>(1, "y")?;
     let mut out = call.output::<T, Rank<1>>(0, "out")?;
     same_shape("x and y", x.shape(), y.shape())?;
+    same_shape("x and out", x.shape(), out.shape())?;
     saxpy_body(a, &x.as_slice()?, &y.as_slice()?, &mut out.as_slice_mut()?);
     Ok(())
 }
@@ -160,10 +176,16 @@ dlbridge::xla_handler! {
     /// `saxpy_` inside `jax.jit`: result 0 is operand `y`'s memory (input_output_aliases), so
     /// the body reads `x` and reads and writes the result.
     pub(crate) fn saxpy_inplace_xla(call) {
+        counts(call, 2, 1)?;
         let a: f32 = call.attr("a")?;
         let x = call.input::<f32, Rank<1>>(0, "x")?;
         let mut y = call.output::<f32, Rank<1>>(0, "y")?;
         same_shape("x and y", x.shape(), y.shape())?;
+        // The result must be operand y's own memory (input_output_aliases={1: 0}), else the body
+        // would read a result buffer XLA never filled.
+        if call.input_any(1, "y")?.data_ptr().cast::<f32>() != y.as_mut_ptr() {
+            return Err(FfiError::invalid_argument("y: result 0 must alias operand 1 (input_output_aliases={1: 0})"));
+        }
         saxpy_inplace_body(a, &x.as_slice()?, &mut y.as_slice_mut()?);
         Ok(())
     }
@@ -172,6 +194,7 @@ dlbridge::xla_handler! {
 dlbridge::xla_handler! {
     /// `softmax` inside `jax.jit` (float32, float64, bfloat16).
     pub(crate) fn softmax_xla(call) {
+        counts(call, 1, 1)?;
         match call.input_any(0, "x")?.dtype() {
             DataType::FLOAT32 => softmax_ffi::<f32>(call),
             DataType::FLOAT64 => softmax_ffi::<f64>(call),
@@ -192,6 +215,7 @@ fn softmax_ffi<T: Real>(call: &Call<'_>) -> Result<()> {
 dlbridge::xla_handler! {
     /// `softmax_backward` inside `jax.jit`.
     pub(crate) fn softmax_backward_xla(call) {
+        counts(call, 2, 1)?;
         match call.input_any(0, "y")?.dtype() {
             DataType::FLOAT32 => softmax_backward_ffi::<f32>(call),
             DataType::FLOAT64 => softmax_backward_ffi::<f64>(call),
@@ -206,6 +230,7 @@ fn softmax_backward_ffi<T: Real>(call: &Call<'_>) -> Result<()> {
     let g = call.input::<T, Rank<2>>(1, "g")?;
     let mut out = call.output::<T, Rank<2>>(0, "out")?;
     same_shape("y and g", y.shape(), g.shape())?;
+    same_shape("y and out", y.shape(), out.shape())?;
     let cols = y.shape()[1] as usize;
     softmax_backward_body(&y.as_slice()?, &g.as_slice()?, &mut out.as_slice_mut()?, cols);
     Ok(())
@@ -214,6 +239,7 @@ fn softmax_backward_ffi<T: Real>(call: &Call<'_>) -> Result<()> {
 dlbridge::xla_handler! {
     /// `layer_norm` inside `jax.jit` (float32 or float64).
     pub(crate) fn layer_norm_xla(call) {
+        counts(call, 3, 1)?;
         let eps: f64 = call.attr("eps")?;
         match call.input_any(0, "x")?.dtype() {
             DataType::FLOAT32 => layer_norm_ffi::<f32>(call, eps),
@@ -228,6 +254,7 @@ fn layer_norm_ffi<T: Real>(call: &Call<'_>, eps: f64) -> Result<()> {
     let w = call.input::<T, Rank<1>>(1, "weight")?;
     let b = call.input::<T, Rank<1>>(2, "bias")?;
     let mut out = call.output::<T, Rank<2>>(0, "out")?;
+    same_shape("x and out", x.shape(), out.shape())?;
     let (rows, cols) = (x.shape()[0] as usize, x.shape()[1] as usize);
     if w.shape() != [cols as i64] || b.shape() != [cols as i64] {
         return Err(FfiError::invalid_argument(format!(
