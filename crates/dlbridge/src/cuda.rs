@@ -61,6 +61,7 @@ type IpcGetMemHandle = unsafe extern "C" fn(*mut IpcMemHandle, u64) -> CuResult;
 type IpcOpenMemHandle = unsafe extern "C" fn(*mut u64, IpcMemHandle, c_uint) -> CuResult;
 type IpcCloseMemHandle = unsafe extern "C" fn(u64) -> CuResult;
 type MemGetAddressRange = unsafe extern "C" fn(*mut u64, *mut usize, u64) -> CuResult;
+type MemcpyDtoDAsync = unsafe extern "C" fn(u64, u64, usize, CuStream) -> CuResult;
 
 /// The driver entry points dlbridge uses.
 pub struct Driver {
@@ -80,6 +81,7 @@ pub struct Driver {
     ipc_open_mem_handle: Option<IpcOpenMemHandle>,
     ipc_close_mem_handle: Option<IpcCloseMemHandle>,
     mem_get_address_range: Option<MemGetAddressRange>,
+    memcpy_dtod_async: Option<MemcpyDtoDAsync>,
 }
 
 /// What [`Driver::ipc_export`] learns of the allocation holding a pointer.
@@ -239,6 +241,7 @@ impl Driver {
                 .or(opt!(c"cuIpcOpenMemHandle", IpcOpenMemHandle)),
             ipc_close_mem_handle: opt!(c"cuIpcCloseMemHandle", IpcCloseMemHandle),
             mem_get_address_range: opt!(c"cuMemGetAddressRange_v2", MemGetAddressRange),
+            memcpy_dtod_async: opt!(c"cuMemcpyDtoDAsync_v2", MemcpyDtoDAsync),
         })
     }
 
@@ -432,6 +435,30 @@ impl Driver {
     pub unsafe fn stream_wait(&self, device: i32, producer: usize, consumer: usize) -> Result<(), String> {
         // The stream handles are live streams of this device (the caller's promise).
         self.in_primary_context(device, || self.wait_in_context(producer, consumer))
+    }
+
+    /// Queues a copy of `bytes` bytes from device memory `src` to device memory `dst` on `stream`
+    /// (`cuMemcpyDtoDAsync`), inside device `device`'s primary context; returns once it is queued.
+    ///
+    /// # Safety
+    ///
+    /// `src` and `dst` are device pointers of device `device` to at least `bytes` bytes that do
+    /// not overlap, alive until the copy has run on `stream`; `stream` is 1, 2, or a live
+    /// `CUstream` of that device (the driver dereferences it unchecked).
+    pub unsafe fn memcpy_async(
+        &self,
+        device: i32,
+        dst: usize,
+        src: usize,
+        bytes: usize,
+        stream: usize,
+    ) -> Result<(), String> {
+        let f = Self::need(self.memcpy_dtod_async, "cuMemcpyDtoDAsync_v2")?;
+        self.in_primary_context(device, || {
+            // SAFETY: a context is current; the pointers, size and stream are the caller's promise.
+            let rc = unsafe { f(dst as u64, src as u64, bytes, stream as CuStream) };
+            if rc != 0 { Err(format!("CUDA cuMemcpyDtoDAsync failed (error {rc})")) } else { Ok(()) }
+        })
     }
 
     fn wait_in_context(&self, producer: usize, consumer: usize) -> Result<(), String> {

@@ -991,6 +991,19 @@ const _: Order = Order::C;
 /// Turns a body over a [`Call`] into an XLA FFI handler (an `unsafe extern "C" fn` of type
 /// [`XLA_FFI_Handler`](crate::xla_ffi::XLA_FFI_Handler)) for the CPU platform, or, with `cuda`
 /// before `fn`, for the CUDA platform. See [the module](crate::xla).
+///
+/// The body is safe code: an unsafe operation in it needs its own `unsafe` block.
+///
+/// ```compile_fail,E0133
+/// unsafe fn dangerous() {}
+/// dlbridge::xla_handler! {
+///     fn h(call) {
+///         let _ = call;
+///         dangerous(); // E0133: call to unsafe function requires unsafe block
+///         Ok(())
+///     }
+/// }
+/// ```
 #[macro_export]
 macro_rules! xla_handler {
     ($(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
@@ -1002,10 +1015,13 @@ macro_rules! xla_handler {
         $vis unsafe extern "C" fn $name(
             frame: *mut $crate::xla_ffi::XLA_FFI_CallFrame,
         ) -> *mut $crate::xla_ffi::XLA_FFI_Error {
-            // SAFETY: the contract above is the caller's (XLA's).
-            unsafe {
-                $crate::xla::handle(frame, stringify!($name), |$call: &mut $crate::xla::Call<'_>| -> $crate::xla::Result<()> { $body })
+            // The body is a safe fn of its own (not code inside this unsafe fn or an unsafe block):
+            // an unsafe call in it needs its own `unsafe` block and SAFETY line.
+            fn body($call: &mut $crate::xla::Call<'_>) -> $crate::xla::Result<()> {
+                $body
             }
+            // SAFETY: the contract above is the caller's (XLA's).
+            unsafe { $crate::xla::handle(frame, stringify!($name), body) }
         }
     };
     ($(#[$m:meta])* $vis:vis cuda fn $name:ident($call:ident) $body:block) => {
@@ -1017,10 +1033,13 @@ macro_rules! xla_handler {
         $vis unsafe extern "C" fn $name(
             frame: *mut $crate::xla_ffi::XLA_FFI_CallFrame,
         ) -> *mut $crate::xla_ffi::XLA_FFI_Error {
-            // SAFETY: the contract above is the caller's (XLA's).
-            unsafe {
-                $crate::xla::handle_cuda(frame, stringify!($name), |$call: &mut $crate::xla::Call<'_>| -> $crate::xla::Result<()> { $body })
+            // The body is a safe fn of its own (not code inside this unsafe fn or an unsafe block):
+            // an unsafe call in it needs its own `unsafe` block and SAFETY line.
+            fn body($call: &mut $crate::xla::Call<'_>) -> $crate::xla::Result<()> {
+                $body
             }
+            // SAFETY: the contract above is the caller's (XLA's).
+            unsafe { $crate::xla::handle_cuda(frame, stringify!($name), body) }
         }
     };
 }

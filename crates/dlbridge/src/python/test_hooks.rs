@@ -29,6 +29,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_bits_from_aten, m)?)?;
+    m.add_function(wrap_pyfunction!(_xla_copy_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(_table_allocate, m)?)?;
     m.add_class::<HostileBuffer>()?;
     // PyO3 lists every added function in `__all__`; hooks are private, so take them out again.
@@ -276,6 +277,46 @@ fn _typed_mut_probe(_x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::s
 #[pyfunction]
 fn _torch_bits_from_aten(py: Python<'_>) -> bool {
     super::torch_bits::aten_bits(py).is_some()
+}
+
+crate::xla_handler! {
+    /// `out = x` on the CUDA platform, queued on the call's stream as one device-to-device copy
+    /// through the driver (no device code of dlbridge's own): what the `gpu` tests run to reach
+    /// the CUDA side of the XLA FFI layer (platform stream, device buffers, device ordinal).
+    cuda fn xla_copy_cuda(call) {
+        if call.num_inputs() != 1 || call.num_outputs() != 1 {
+            return Err(crate::xla::FfiError::invalid_argument("expected 1 operand and 1 result"));
+        }
+        let x = call.input_any(0, "x")?;
+        let out = call.output_any(0, "out")?;
+        if x.dtype() != out.dtype() || x.shape() != out.shape() {
+            return Err(crate::xla::FfiError::invalid_argument(format!(
+                "out: expected {} {:?} like x, got {} {:?}",
+                x.dtype(),
+                x.shape(),
+                out.dtype(),
+                out.shape()
+            )));
+        }
+        let bytes = x.numel() * x.dtype().itemsize().unwrap_or(0);
+        let stream = call.stream()? as usize;
+        let internal = |e: String| crate::xla::FfiError::new(crate::xla_ffi::XLA_FFI_Error_Code::INTERNAL, e);
+        let driver = crate::cuda::Driver::get().map_err(internal)?;
+        if bytes > 0 {
+            // SAFETY: XLA's two buffers of this call (an operand and a result, not aliased: no
+            // input_output_aliases is declared), each `bytes` long, on the call's device, alive
+            // until the call's stream has run; the stream is XLA's for this call.
+            unsafe { driver.memcpy_async(x.device().id(), out.data_ptr() as usize, x.data_ptr() as usize, bytes, stream) }
+                .map_err(internal)?;
+        }
+        Ok(())
+    }
+}
+
+/// The capsule of [`xla_copy_cuda`], for `jax.ffi.register_ffi_target(name, capsule, platform="CUDA")`.
+#[pyfunction]
+fn _xla_copy_cuda(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyCapsule>> {
+    super::kernel::xla_capsule(py, xla_copy_cuda)
 }
 
 /// float32 memory of `shape` on `device` from the exchange table of `like`'s type (its
