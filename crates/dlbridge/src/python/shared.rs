@@ -422,6 +422,24 @@ fn handle_header<'a, 'py>(
     Ok((h, who, pid))
 }
 
+/// A handle's second and third parts: `(size, data offset, byte offset)` (the data offset's field
+/// named `offset_name`) and the layout, each read and checked by [`meta`].
+fn handle_place_and_layout(h: &Bound<'_, PyTuple>, offset_name: &str) -> PyResult<(u64, u64, u64, Meta)> {
+    let place = tuple_field(h, 1, "handle", 3)?;
+    let size: u64 = field(&place, 0, "handle.size")?;
+    let data_offset: u64 = field(&place, 1, offset_name)?;
+    let byte_offset: u64 = field(&place, 2, "handle.byte_offset")?;
+    let desc = tuple_field(h, 2, "handle", 5)?;
+    let m = meta(
+        field(&desc, 0, "dtype")?,
+        field(&desc, 1, "shape")?,
+        field(&desc, 2, "strides")?,
+        field(&desc, 3, "readonly")?,
+        field(&desc, 4, "subbyte_padded")?,
+    )?;
+    Ok((size, data_offset, byte_offset, m))
+}
+
 fn tuple_field<'py>(
     t: &Bound<'py, PyTuple>,
     i: usize,
@@ -477,18 +495,7 @@ fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let token: [u8; 16] = token
         .try_into()
         .map_err(|t: Vec<u8>| bad("handle.token", format!("{} bytes, expected 16", t.len())))?;
-    let place = tuple_field(h, 1, "handle", 3)?;
-    let data_len: u64 = field(&place, 0, "handle.size")?;
-    let data_offset: u64 = field(&place, 1, "handle.data_offset")?;
-    let byte_offset: u64 = field(&place, 2, "handle.byte_offset")?;
-    let desc = tuple_field(h, 2, "handle", 5)?;
-    let m = meta(
-        field(&desc, 0, "dtype")?,
-        field(&desc, 1, "shape")?,
-        field(&desc, 2, "strides")?,
-        field(&desc, 3, "readonly")?,
-        field(&desc, 4, "subbyte_padded")?,
-    )?;
+    let (data_len, data_offset, byte_offset, m) = handle_place_and_layout(h, "handle.data_offset")?;
     let handle = Handle { pid, fd, id: SegmentId { dev, ino, token }, data_len };
     let seg = Segment::open(&handle).map_err(|e| bad(&format!("handle.{}", e.field), e.message))?;
     let t = seg
@@ -718,18 +725,7 @@ fn _rebuild_cuda(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let ipc: [u8; IPC_HANDLE_SIZE] = ipc.try_into().map_err(|t: Vec<u8>| {
         bad("handle.ipc_handle", format!("{} bytes, expected {IPC_HANDLE_SIZE}", t.len()))
     })?;
-    let place = tuple_field(h, 1, "handle", 3)?;
-    let size: u64 = field(&place, 0, "handle.size")?;
-    let data_offset: u64 = field(&place, 1, "handle.offset")?;
-    let byte_offset: u64 = field(&place, 2, "handle.byte_offset")?;
-    let desc = tuple_field(h, 2, "handle", 5)?;
-    let m = meta(
-        field(&desc, 0, "dtype")?,
-        field(&desc, 1, "shape")?,
-        field(&desc, 2, "strides")?,
-        field(&desc, 3, "readonly")?,
-        field(&desc, 4, "subbyte_padded")?,
-    )?;
+    let (size, data_offset, byte_offset, m) = handle_place_and_layout(h, "handle.offset")?;
     // The layout must lie in the allocation the handle declares (and, below, in what it maps).
     let first =
         data_offset.checked_add(byte_offset).ok_or_else(|| bad("handle.offset", "offset overflow"))?;
