@@ -212,21 +212,12 @@ macro_rules! common {
 
             #[inline]
             fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-                // The view's own conversion, compiled once in this crate (not inlined into every
-                // monomorphisation of this generic function).
-                let r = <TensorView<'a> as FromPyObject<'a, 'py>>::extract(obj);
-                // The check folds to a few comparisons for the constant spec; the refusal is cold.
-                // (The accepted view is rewrapped in place: `Self` is a transparent wrapper.)
-                match &r {
-                    Ok(view) if view.first_failure(&SpecOf::<T, S, O, D>::$spec).is_some() => {
-                        Err(Self::new(r.expect("matched Ok")).err().expect("a failure was found").into())
-                    }
-                    Ok(_) if $writes => {
-                        bump_torch_version(&obj)?;
-                        r.map(|view| Self { view, _spec: PhantomData })
-                    }
-                    _ => r.map(|view| Self { view, _spec: PhantomData }),
-                }
+                // One out-of-line conversion compiled once in this crate, the spec a constant
+                // argument: this generic function stays a call and a rewrap (`Self` is a
+                // transparent wrapper), small enough to inline into PyO3's argument glue, so the
+                // view is built once, where the kernel's wrapper receives it.
+                extract_checked(obj, &SpecOf::<T, S, O, D>::$spec, $writes)
+                    .map(|view| Self { view, _spec: PhantomData })
             }
         }
 
@@ -269,6 +260,31 @@ macro_rules! common {
 
 common!(TensorRef, READ, false);
 common!(TensorMut, WRITE, true);
+
+/// A borrowed view of `obj` checked against `spec` (the one conversion of every typed argument):
+/// a mismatch is [`crate::Error::Mismatch`]; a torch tensor taken for writing (`writes`) has its
+/// version counter bumped.
+#[inline(never)]
+fn extract_checked<'a>(
+    obj: Borrowed<'a, '_, PyAny>,
+    spec: &crate::spec::Spec,
+    writes: bool,
+) -> PyResult<TensorView<'a>> {
+    if writes {
+        return extract_for_write(obj, spec);
+    }
+    // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
+    unsafe { TensorView::borrow_checked(&obj, spec) }
+}
+
+/// [`extract_checked`] for writing.
+#[inline(never)]
+fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec) -> PyResult<TensorView<'a>> {
+    // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
+    let view = unsafe { TensorView::borrow_checked(&obj, spec) }?;
+    bump_torch_version(&obj)?;
+    Ok(view)
+}
 
 /// A torch tensor taken for writing has its version counter bumped, as torch's own in-place
 /// operations do, so autograd refuses a backward pass through a value the kernel overwrote

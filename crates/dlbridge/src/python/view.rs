@@ -22,6 +22,7 @@ use crate::dims::Dims;
 use crate::ffi::DLTensor;
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
+use crate::spec::Spec;
 
 /// Where a borrowed `DLTensor` and the dims it points into live while the view exists: one heap
 /// block, so the addresses stay put when the view moves. The view holds it as a raw pointer (a
@@ -198,23 +199,45 @@ impl<'a> TensorView<'a> {
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
     pub(crate) unsafe fn borrow_for(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        // SAFETY: the caller's promise.
+        unsafe { Self::borrow_checked(obj, &Spec::ANY) }
+    }
+
+    /// [`TensorView::borrow_for`], refusing a tensor that fails `spec` ([`crate::Error::Mismatch`]
+    /// names the field): the check is made where the view is built, so the accepted view is
+    /// written once, where it is returned (the one conversion of views and typed arguments).
+    ///
+    /// # Safety
+    ///
+    /// The object `obj` refers to lives for `'a`.
+    #[inline(always)]
+    pub(crate) unsafe fn borrow_checked(obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Self> {
         super::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
         // SAFETY: a live object's address is never NULL.
         let source = unsafe { NonNull::new_unchecked(obj.as_ptr()) };
-        if let Some(v) = super::numpy::parts_exact(obj).and_then(|p| Self::from_numpy(p, source)) {
-            return v;
+        // (No `Option<PyResult<Self>>` in between either: the view is written in place.)
+        if let Some(p) = super::numpy::parts_exact(obj) {
+            let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
+            if let Some(block) = Self::numpy_block(p) {
+                return Self::from_borrow(block, flags, source, spec);
+            }
         }
-        Self::borrow_other(obj, source)
+        Self::borrow_other(obj, source, spec)
     }
 
     /// The view of a filled block: its `DLTensor` pointed at its dims, then the common tensor
     /// checked inline and anything else through the general checks (out of line, so the common
     /// case builds the view where it is returned).
     #[inline(always)]
-    fn from_borrow(borrow: Box<Borrow>, flags: Flags, source: NonNull<ffi::PyObject>) -> PyResult<Self> {
+    fn from_borrow(
+        borrow: Box<Borrow>,
+        flags: Flags,
+        source: NonNull<ffi::PyObject>,
+        spec: &Spec,
+    ) -> PyResult<Self> {
         let block = Box::into_raw(borrow);
         // SAFETY: `block` is a live, exclusively owned block; the dims pointers are derived through
         // it and written into its DLTensor in place, and the tensor pointer too. The block and what
@@ -227,8 +250,11 @@ impl<'a> TensorView<'a> {
             let p = NonNull::new_unchecked(std::ptr::addr_of_mut!((*block).tensor));
             let block = NonNull::new_unchecked(block);
             match ManagedTensor::borrowed_if_common(p, flags) {
-                Some(tensor) => Ok(Self::with(tensor, Some(block), source)),
-                None => Self::from_borrow_general(p, block, flags, source),
+                Some(tensor) if tensor.first_failure(spec).is_none() => {
+                    Ok(Self::with(tensor, Some(block), source))
+                }
+                Some(tensor) => Err(Self::with(tensor, Some(block), source).refused(spec)),
+                None => Self::from_borrow_general(p, block, flags, source, spec),
             }
         }
     }
@@ -242,15 +268,32 @@ impl<'a> TensorView<'a> {
         block: NonNull<Borrow>,
         flags: Flags,
         source: NonNull<ffi::PyObject>,
+        spec: &Spec,
     ) -> PyResult<Self> {
         // SAFETY: the caller's promise.
         match unsafe { ManagedTensor::borrowed(p, flags) } {
-            Ok(tensor) => Ok(Self::with(tensor, Some(block), source)),
+            Ok(tensor) => Self::with(tensor, Some(block), source).checked(spec),
             Err(e) => {
                 // SAFETY: the block from `Box::into_raw`, no longer pointed to by anything.
                 recycle(unsafe { Box::from_raw(block.as_ptr()) });
                 Err(e.into())
             }
+        }
+    }
+
+    /// This view if it meets `spec`, else the mismatch (the view released).
+    #[inline]
+    fn checked(self, spec: &Spec) -> PyResult<Self> {
+        if self.first_failure(spec).is_none() { Ok(self) } else { Err(self.refused(spec)) }
+    }
+
+    /// The mismatch of a view that fails `spec` (the view released).
+    #[cold]
+    #[inline(never)]
+    fn refused(self, spec: &Spec) -> PyErr {
+        match self.check(spec) {
+            Err(e) => e.into(),
+            Ok(()) => unreachable!("refused only after a failed check"),
         }
     }
 
@@ -282,24 +325,28 @@ impl<'a> TensorView<'a> {
 
     /// A numpy array as a view: the common case without a `Result` in between.
     #[inline(always)]
-    fn from_numpy(p: super::numpy::NumpyParts<'_>, source: NonNull<ffi::PyObject>) -> Option<PyResult<Self>> {
+    fn from_numpy(
+        p: super::numpy::NumpyParts<'_>,
+        source: NonNull<ffi::PyObject>,
+        spec: &Spec,
+    ) -> Option<PyResult<Self>> {
         let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
-        Some(Self::from_borrow(Self::numpy_block(p)?, flags, source))
+        Some(Self::from_borrow(Self::numpy_block(p)?, flags, source, spec))
     }
 
     /// Every source but an exact numpy array.
     #[inline(never)]
-    fn borrow_other(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>) -> PyResult<Self> {
+    fn borrow_other(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>, spec: &Spec) -> PyResult<Self> {
         if let Ok(t) = obj.cast_exact::<Tensor>() {
             let inner = t.get().shared();
             let mut b = blank();
             b.tensor = *inner.dl_tensor();
             b.dims.set(inner.shape(), inner.strides());
-            return Self::from_borrow(b, inner.flags(), source);
+            return Self::from_borrow(b, inner.flags(), source, spec);
         }
         let info = cache::type_info(&obj.get_type())?;
         if info.numpy {
-            if let Some(v) = super::numpy::parts(obj).and_then(|p| Self::from_numpy(p, source)) {
+            if let Some(v) = super::numpy::parts(obj).and_then(|p| Self::from_numpy(p, source, spec)) {
                 return v;
             }
         }
@@ -321,18 +368,19 @@ impl<'a> TensorView<'a> {
                         }
                     }
                     b.torch = api.torch_state();
-                    return Self::from_borrow(b, Flags::NONE, source);
+                    return Self::from_borrow(b, Flags::NONE, source, spec);
                 }
                 // Device memory needs stream handling: the protocol path below.
                 Ok(_) => {}
                 Err(_) => {
-                    return Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source));
+                    return Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source)
+                        .checked(spec);
                 }
             }
         }
         // SAFETY: a type-slot check on a live object.
         if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
-            match Self::from_buffer(obj, source) {
+            match Self::from_buffer(obj, source, spec) {
                 Ok(v) => return Ok(v),
                 // A format the buffer protocol cannot express, from an object that also speaks
                 // DLPack: let DLPack describe it instead.
@@ -346,10 +394,10 @@ impl<'a> TensorView<'a> {
             // What an argument takes, worded as every path words it (no function named).
             return Err(super::protocols::not_an_array(obj, "__dlpack__ or the buffer protocol"));
         }
-        Ok(Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source))
+        Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source).checked(spec)
     }
 
-    fn from_buffer(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>) -> PyResult<Self> {
+    fn from_buffer(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>, spec: &Spec) -> PyResult<Self> {
         let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
         let mut b = blank();
         let m = match super::protocols::read_view(held.view(), &mut b.dims) {
@@ -369,7 +417,7 @@ impl<'a> TensorView<'a> {
             byte_offset: 0,
         };
         b.buffer = Some(held);
-        Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, m.readonly), source)
+        Self::from_borrow(b, Flags::NONE.with(Flags::READ_ONLY, m.readonly), source, spec)
     }
 }
 
