@@ -425,6 +425,15 @@ impl ManagedTensor {
         self
     }
 
+    /// This tensor with its deleter run on the dropping thread again, whichever it is (for a
+    /// tensor handed to a consumer, which decides where it frees what it owns).
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
+    #[inline]
+    pub(crate) fn without_deleter_gate(mut self) -> Self {
+        self.gate = None;
+        self
+    }
+
     /// Gives up ownership without calling the deleter, returning the raw pointer. The caller
     /// becomes responsible for calling the deleter exactly once. For a versioned tensor, flags
     /// set on this side (read-only) are written into the struct first.

@@ -120,3 +120,43 @@ def test_a_deferred_deleter_runs_at_the_next_entry_point_too() -> None:
         pytest.skip("needs the test hooks (make test builds them)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+# A tensor handed to a framework through its exchange table is the framework's: it frees it where
+# it chooses (torch frees a tensor with the GIL released), and the producer's deleter runs there, as
+# it would after the framework's own `from_dlpack` of that producer, with nothing queued.
+_HANDED_BACK = """
+import torch, dlbridge
+from dlbridge.tests._dlpack_ctypes import FakeCapsule
+hook = dlbridge._dlbridge._wrap_like
+like = torch.zeros(1)
+# torch's own export, back to torch: torch's deleter runs as the new tensor is freed.
+x = torch.arange(4.0)
+y = hook(like, x)
+assert type(y) is torch.Tensor and y.data_ptr() == x.data_ptr(), y
+y[0] = 7.0
+assert x[0].item() == 7.0
+assert x._use_count() == 2, x._use_count()
+del y
+n = x._use_count()
+assert n == 1, ("torch's deleter did not run as torch freed the tensor", n)
+# A deleter that takes the GIL (ctypes), run by torch on the thread that frees the tensor.
+fake = FakeCapsule(versioned=True)
+y = hook(like, fake)
+assert fake.deleted == 0
+del y
+assert fake.deleted == 1, fake.deleted
+print("ok")
+"""
+
+
+@hooks
+def test_a_tensor_handed_back_to_torch_is_freed_where_torch_frees_it() -> None:
+    need("torch")
+    if not hasattr(__import__("dlbridge")._dlbridge, "_wrap_like"):
+        pytest.skip("needs the test hooks (make test builds them)")
+    try:
+        r = subprocess.run([sys.executable, "-c", _HANDED_BACK], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"freeing a tensor handed back to torch deadlocked (stdout so far: {e.stdout!r})")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -187,7 +187,9 @@ pub(crate) unsafe fn release_object(obj: NonNull<ffi::PyObject>) {
 /// producer's deleter may take the GIL (torch's does: `PyGILState_Ensure`), which deadlocks on a
 /// worker whose joining caller holds it; dlbridge cannot prove any foreign deleter free of that,
 /// so every tensor a producer hands over through the Python layer (capsules, exchange tables) goes
-/// through here.
+/// through here. A tensor dlbridge hands on to a framework's exchange table leaves the gate
+/// (`ExchangeApi::to_py_object`): the framework frees what it owns on its own threads, as it
+/// does after its own `from_dlpack`.
 #[inline]
 pub(crate) fn gate_deleter(t: ManagedTensor) -> ManagedTensor {
     t.with_deleter_gate(defer_deleter)
