@@ -98,6 +98,22 @@ def test_vmap_equals_stacked_eager_calls():
     close(jax.vmap(lambda y: k.saxpy(2.0, y, y))(ys), 3 * ys)
 
 
+def test_vmap_broadcast_all_hands_the_whole_batch_to_one_call():
+    # vmap_method="broadcast_all": the handler gets the batch axis in front, in one call. softmax's
+    # handler is row-wise over a 2-d operand, so a kernel of the same body and handler declared
+    # this way maps over the rows of a matrix (a batch of vectors) in one call; a batch of
+    # matrices reaches the handler as a 3-d operand, which its declared rank refuses.
+    from dlbridge.kernels import kernel
+
+    rows = kernel(k.softmax.__wrapped__, name="softmax_rows", out="x", ffi=k.softmax._ffi, vmap_method="broadcast_all")
+    xs = rand(5, 7, dtype=np.float64)
+    out = jax.jit(jax.vmap(rows))(xs)
+    assert out.shape == (5, 7) and out.dtype == jnp.float64
+    close(out, k.softmax(xs))
+    with pytest.raises(Exception, match=r"x: expected float64 2-d C-contiguous cpu tensor, got float64 \(3, 4, 6\)"):
+        jax.vmap(rows)(rand(3, 4, 6, dtype=np.float64))
+
+
 def test_refusals_inside_jit_name_the_argument():
     with pytest.raises(Exception, match=r"softmax_xla: x: expected float64 2-d C-contiguous cpu tensor, got float64 \(2, 3, 4\)"):
         jax.jit(k.softmax)(jnp.ones((2, 3, 4)))
