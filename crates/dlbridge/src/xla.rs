@@ -1007,24 +1007,13 @@ const _: Order = Order::C;
 #[macro_export]
 macro_rules! xla_handler {
     ($(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
-        $(#[$m])*
-        ///
-        /// # Safety
-        ///
-        /// XLA's handler contract: `frame` is a call frame XLA made for this call.
-        $vis unsafe extern "C" fn $name(
-            frame: *mut $crate::xla_ffi::XLA_FFI_CallFrame,
-        ) -> *mut $crate::xla_ffi::XLA_FFI_Error {
-            // The body is a safe fn of its own (not code inside this unsafe fn or an unsafe block):
-            // an unsafe call in it needs its own `unsafe` block and SAFETY line.
-            fn body($call: &mut $crate::xla::Call<'_>) -> $crate::xla::Result<()> {
-                $body
-            }
-            // SAFETY: the contract above is the caller's (XLA's).
-            unsafe { $crate::xla::handle(frame, stringify!($name), body) }
-        }
+        $crate::xla_handler!(@emit handle, $(#[$m])* $vis fn $name($call) $body);
     };
     ($(#[$m:meta])* $vis:vis cuda fn $name:ident($call:ident) $body:block) => {
+        $crate::xla_handler!(@emit handle_cuda, $(#[$m])* $vis fn $name($call) $body);
+    };
+    // One expansion for both platforms: `$handle` is `xla::handle` or `xla::handle_cuda`.
+    (@emit $handle:ident, $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
         $(#[$m])*
         ///
         /// # Safety
@@ -1039,7 +1028,7 @@ macro_rules! xla_handler {
                 $body
             }
             // SAFETY: the contract above is the caller's (XLA's).
-            unsafe { $crate::xla::handle_cuda(frame, stringify!($name), body) }
+            unsafe { $crate::xla::$handle(frame, stringify!($name), body) }
         }
     };
 }
