@@ -115,3 +115,88 @@ def test_a_duck_typed_tensor_seen_before_torch_is_imported_decides_nothing() -> 
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+@hooks
+def test_writes_go_through_aten_for_torch_tensors() -> None:
+    torch = need("torch")
+    torch.zeros(1)
+    dlbridge.from_dlpack(torch.zeros(1))  # torch's functions are looked for once torch is seen
+    assert dlbridge._dlbridge._torch_writes_from_aten() is True
+
+
+class _Sub:  # made a torch.Tensor subclass lazily (torch may be absent)
+    cls = None
+
+
+def _subclass(torch):
+    if _Sub.cls is None:
+        _Sub.cls = type("Sub", (torch.Tensor,), {})
+    return _Sub.cls
+
+
+@hooks
+@pytest.mark.parametrize("kind", ["tensor", "subclass"])
+def test_a_write_bumps_the_version_once_through_either_path(kind: str) -> None:
+    # Exactly torch.Tensor: ATen's bump_version; a subclass: torch._C._increment_version.
+    torch = need("torch")
+    w = torch.ones(4, dtype=torch.float64)
+    if kind == "subclass":
+        w = w.as_subclass(_subclass(torch))
+    view = w[1:]
+    v, vv = w._version, view._version
+    dlbridge._dlbridge._typed_mut_probe(w)
+    assert (w._version, view._version) == (v + 1, vv + 1)  # a view shares its base's counter
+    dlbridge._dlbridge._typed_mut_probe(view)
+    assert w._version == v + 2
+
+
+@hooks
+@pytest.mark.parametrize("kind", ["tensor", "subclass"])
+def test_an_inference_tensor_is_written_only_in_inference_mode(kind: str) -> None:
+    # torch refuses x.add_(1) on an inference tensor outside inference mode; so does every
+    # mutable access (torch._C._increment_version alone would skip it silently).
+    torch = need("torch")
+    with torch.inference_mode():
+        x, y = torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    if kind == "subclass":
+        x = x.as_subclass(_subclass(torch))
+    assert x.is_inference()
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        y.add_(1.0)  # torch's own rule, for comparison (torch raises after writing; dlbridge before)
+    with pytest.raises(TypeError, match="is_inference: an inference tensor .* outside inference mode"):
+        dlbridge._dlbridge._typed_mut_probe(x)
+    with pytest.raises(TypeError, match="is_inference: an inference tensor"):
+        dlbridge._dlbridge._view_add(x, 1.0)
+    assert x.tolist() == [1.0, 1.0, 1.0]
+    with torch.inference_mode():
+        dlbridge._dlbridge._typed_mut_probe(x)
+        dlbridge._dlbridge._view_add(x, 1.0)
+        x.add_(1.0)
+    assert x.tolist() == [3.0, 3.0, 3.0]
+    # Reading stays allowed anywhere, as torch allows it.
+    assert dlbridge._dlbridge._view(x) is not None
+
+
+@hooks
+def test_grad_mode_is_read_per_thread() -> None:
+    # torch's grad mode is thread-local: a worker thread starts with it on, whatever the caller's.
+    torch = need("torch")
+    import threading
+
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    seen = []
+
+    def worker() -> None:
+        try:
+            dlbridge._dlbridge._typed_mut_probe(w)
+            seen.append("accepted")
+        except TypeError as e:
+            seen.append(str(e))
+
+    with torch.no_grad():
+        dlbridge._dlbridge._typed_mut_probe(w)  # allowed here
+        th = threading.Thread(target=worker)
+        th.start()
+        th.join()
+    assert len(seen) == 1 and "requires_grad: a leaf tensor that requires grad" in seen[0], seen

@@ -230,15 +230,42 @@ impl TorchState {
         Ok(r.as_ptr() == unsafe { ffi::Py_True() })
     }
 
-    /// What torch refuses of an in-place write, refused of a kernel's mutable access too: writing
-    /// into a leaf that requires grad while grad mode is on ("a leaf Variable that requires grad
-    /// is being used in an in-place operation"). Under `torch.no_grad()` torch allows it (that is
-    /// how optimizers update parameters), and so does this; a non-leaf that requires grad may be
-    /// written, as torch's in-place operations may (the version counter, bumped by `TensorMut`,
-    /// makes a backward through an overwritten saved value fail in torch). One getter call when
-    /// the tensor does not require grad.
-    pub(crate) fn refuse_grad_leaf_write(&self, obj: &Bound<'_, PyAny>) -> crate::Result<()> {
+    /// What torch refuses of an in-place write, refused of a kernel's mutable access too:
+    /// - writing into an inference tensor outside inference mode ("Inplace update to inference
+    ///   tensor outside InferenceMode is not allowed");
+    /// - writing into a leaf that requires grad while grad mode is on ("a leaf Variable that
+    ///   requires grad is being used in an in-place operation"). Under `torch.no_grad()` torch
+    ///   allows it (that is how optimizers update parameters), and so does this; a non-leaf that
+    ///   requires grad may be written, as torch's in-place operations may (the version counter,
+    ///   bumped by `TensorMut`, makes a backward through an overwritten saved value fail in torch).
+    ///
+    /// For exactly `torch.Tensor`, read through ATen and c10 ([`super::torch_bits`]): two calls of
+    /// a few instructions, and one getter when grad mode is on and the tensor does not require
+    /// grad; else through torch's Python methods.
+    pub(crate) fn refuse_write(&self, obj: &Bound<'_, PyAny>) -> crate::Result<()> {
         let py = obj.py();
+        let bits = super::torch_bits::aten_bits(py);
+        let inference = match bits.and_then(|b| b.inference_write_refused(obj)) {
+            Some(refused) => Ok(refused),
+            None => inference_write_refused(obj),
+        };
+        let inference_refused = |reason: String| crate::Error::WriteRefused { field: "is_inference", reason };
+        match inference {
+            Ok(false) => {}
+            Ok(true) => {
+                return Err(inference_refused(
+                    "an inference tensor (made under torch.inference_mode()) cannot be written in place \
+                     outside inference mode (torch refuses it too); write it inside torch.inference_mode(), \
+                     or pass a clone"
+                        .into(),
+                ));
+            }
+            Err(e) => return Err(inference_refused(format!("could not be read: {e}"))),
+        }
+        // Grad mode off (under no_grad, inside a custom op): every write is allowed, nothing to read.
+        if bits.and_then(|b| b.grad_enabled()) == Some(false) {
+            return Ok(());
+        }
         let refused = |reason: String| crate::Error::WriteRefused { field: "requires_grad", reason };
         let leaf_requiring_grad = self
             .requires_grad(obj)
@@ -465,7 +492,7 @@ impl ExchangeApi {
         // No requires_grad refusal: a borrowed view is what kernel ABIs take (tvm-ffi through this
         // very table, nanobind through torch.utils.dlpack.to_dlpack), and reading a tensor that
         // requires grad harms nothing; writing into a leaf that does is refused where mutable
-        // access is asked for (TorchState::refuse_grad_leaf_write).
+        // access is asked for (TorchState::refuse_write).
         let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
         let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
         // SAFETY: a live object of exactly the table's type, the GIL held, a writable DLTensor.
@@ -945,4 +972,20 @@ pub fn tensor_exchange_capsule(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     let cap = unsafe { ffi::PyCapsule_New(p.as_ptr().cast(), EXCHANGE_API_CAPSULE.as_ptr(), None) };
     // SAFETY: a new reference or NULL with an exception set.
     unsafe { Bound::from_owned_ptr_or_err(py, cap) }
+}
+
+/// Whether `obj` is an inference tensor while inference mode is off (torch's refusal of an
+/// in-place write), asked through torch's Python methods (for what [`super::torch_bits`] does not
+/// read: a subclass, or a torch whose functions were not verified).
+fn inference_write_refused(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = obj.py();
+    match obj.getattr_opt(intern!(py, "is_inference"))? {
+        Some(m) if m.call0()?.is_truthy()? => {}
+        _ => return Ok(false),
+    }
+    static MODE: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    let mode = MODE.get_or_try_init(py, || {
+        py.import("torch")?.getattr("is_inference_mode_enabled").map(Bound::unbind)
+    })?;
+    Ok(!mode.bind(py).call0()?.is_truthy()?)
 }

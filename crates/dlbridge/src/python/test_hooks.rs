@@ -29,6 +29,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_bits_from_aten, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_writes_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_xla_copy_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(_table_allocate, m)?)?;
     m.add_class::<HostileBuffer>()?;
@@ -277,6 +278,13 @@ fn _typed_mut_probe(_x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::s
 #[pyfunction]
 fn _torch_bits_from_aten(py: Python<'_>) -> bool {
     super::torch_bits::aten_bits(py).is_some()
+}
+
+/// Whether a torch write's checks and version bump go through ATen and c10 in this process
+/// (verified once; else through torch's Python functions).
+#[pyfunction]
+fn _torch_writes_from_aten(py: Python<'_>) -> bool {
+    super::torch_bits::aten_bits(py).is_some_and(|b| b.writes_verified())
 }
 
 crate::xla_handler! {

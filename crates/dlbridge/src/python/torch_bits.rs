@@ -25,6 +25,20 @@
 //!
 //! Only instances of exactly `torch.Tensor` take this path: a subclass may route operators through
 //! `__torch_dispatch__` (Python) and is asked through its methods.
+//!
+//! The same way, and verified the same way (separately: if it does not hold, only this part falls
+//! back to torch's Python functions), what a write needs: the version counter is bumped through
+//! `torch::autograd::impl::bump_version` (what `torch._C._increment_version` calls, without the
+//! Python call around it: ~180 ns here, more inside a compiled custom op), grad mode is read
+//! through `c10::GradMode::is_enabled` (the thread-local `torch.is_grad_enabled()` reads), and
+//! inference mode through `c10::InferenceMode::is_enabled`. An inference tensor has no version
+//! counter, and torch's bump throws a C++ exception for one outside inference mode, which must
+//! never cross into Rust: `at::native::is_inference` is asked first, and an inference tensor is
+//! never bumped (writing one outside inference mode is refused before, as torch refuses it).
+//! Checked on probes: the bump adds exactly one to `_version` (and to a view's, which shares the
+//! counter), `is_inference` agrees with the method on a normal and an inference tensor, grad
+//! mode agrees with `torch.is_grad_enabled()` both ways, and inference mode reads off outside
+//! `torch.inference_mode()` and on inside it.
 
 use std::ffi::{CString, c_char, c_int, c_void};
 
@@ -36,6 +50,10 @@ use pyo3::sync::PyOnceLock;
 /// `at::Tensor`; C-unwind, since C++ may in principle throw (then the process aborts at the next
 /// catch, never undefined behaviour).
 type BitFn = unsafe extern "C-unwind" fn(*const c_void) -> bool;
+/// `void torch::autograd::impl::bump_version(const at::Tensor&)`.
+type TensorFn = unsafe extern "C-unwind" fn(*const c_void);
+/// `bool c10::GradMode::is_enabled()`.
+type FlagFn = unsafe extern "C-unwind" fn() -> bool;
 
 /// ATen's native kernels and the exact type they were verified for.
 pub(crate) struct AtenBits {
@@ -43,6 +61,16 @@ pub(crate) struct AtenBits {
     is_conj: BitFn,
     /// The address of `torch.Tensor` (kept alive by the torch module, never unloaded).
     ty: usize,
+    /// The version counter and grad mode, when found and verified (else torch's Python functions).
+    versions: Option<Versions>,
+}
+
+/// torch's version bump, inference test and grad mode (see the module docs).
+struct Versions {
+    bump_version: TensorFn,
+    is_inference: BitFn,
+    grad_enabled: FlagFn,
+    inference_mode: FlagFn,
 }
 
 /// Where `cdata` sits in a `THPVariable`: right after the object header.
@@ -104,6 +132,50 @@ impl AtenBits {
         // SAFETY: as in `is_neg`.
         Some(unsafe { (self.is_conj)(t) })
     }
+
+    /// Whether the write functions (version bump, inference and grad mode) were verified.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn writes_verified(&self) -> bool {
+        self.versions.is_some()
+    }
+
+    /// Whether grad mode is on in this thread (`torch.is_grad_enabled()`), read through c10;
+    /// `None` when that was not verified.
+    #[inline]
+    pub(crate) fn grad_enabled(&self) -> Option<bool> {
+        let v = self.versions.as_ref()?;
+        // SAFETY: c10's function of this signature (verified against torch.is_grad_enabled()): a
+        // read of a thread-local, which cannot throw.
+        Some(unsafe { (v.grad_enabled)() })
+    }
+
+    /// Whether `obj` is an inference tensor while inference mode is off in this thread (what
+    /// torch refuses to write in place), read through ATen and c10; `None` when `obj` is not
+    /// exactly `torch.Tensor` or that was not verified.
+    #[inline]
+    pub(crate) fn inference_write_refused(&self, obj: &Bound<'_, PyAny>) -> Option<bool> {
+        let (v, t) = (self.versions.as_ref()?, self.tensor_of(obj)?);
+        // SAFETY: as in `is_neg` (ATen's native kernel, verified on probes), then c10's
+        // thread-local read (verified against torch.is_inference_mode_enabled()).
+        Some(unsafe { (v.is_inference)(t) && !(v.inference_mode)() })
+    }
+
+    /// Bumps `obj`'s version counter, as torch's in-place operations do; `false` when it is not
+    /// done here (not exactly `torch.Tensor`, an inference tensor, or not verified): then the
+    /// caller calls torch's Python function (which skips an inference tensor: no counter).
+    #[inline]
+    pub(crate) fn bump_version(&self, obj: &Bound<'_, PyAny>) -> bool {
+        let (Some(v), Some(t)) = (self.versions.as_ref(), self.tensor_of(obj)) else { return false };
+        // SAFETY: as in `is_neg` (ATen's native kernel, verified on probes).
+        if unsafe { (v.is_inference)(t) } {
+            return false;
+        }
+        // SAFETY: `t` points to the live object's defined tensor, which is not an inference tensor,
+        // so it has a version counter and torch's bump cannot throw; the GIL is held (as for any
+        // in-place operation from Python); the function was verified on probes.
+        unsafe { (v.bump_version)(t) };
+        true
+    }
 }
 
 /// Finds the kernels and checks them on probe tensors; `Ok(None)` when anything does not
@@ -129,7 +201,7 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
     else {
         return Ok(None);
     };
-    let bits = AtenBits { is_neg, is_conj, ty: tensor_type.as_type_ptr() as usize };
+    let mut bits = AtenBits { is_neg, is_conj, ty: tensor_type.as_type_ptr() as usize, versions: None };
     let globals = pyo3::types::PyDict::new(py);
     globals.set_item("torch", &torch)?;
     let probes = py.eval(
@@ -158,7 +230,95 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
         saw_conj |= conj;
         saw_plain |= !neg && !conj;
     }
-    Ok((saw_neg && saw_conj && saw_plain).then_some(bits))
+    if !(saw_neg && saw_conj && saw_plain) {
+        return Ok(None);
+    }
+    // A failure there leaves only that part to torch's Python functions.
+    bits.versions = find_versions(py, &torch, &bits, lib).ok().flatten();
+    Ok(Some(bits))
+}
+
+/// The version bump, inference test and grad mode, checked on probes; `Ok(None)` when anything
+/// does not hold. (`dlsym` on `libtorch_cpu`'s handle also searches what it depends on: c10.)
+fn find_versions(
+    py: Python<'_>,
+    torch: &Bound<'_, PyAny>,
+    bits: &AtenBits,
+    lib: *mut c_void,
+) -> PyResult<Option<Versions>> {
+    let sym = |name: &std::ffi::CStr| {
+        // SAFETY: a handle from dlopen and a NUL-terminated name.
+        let p = unsafe { dlsym(lib, name.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    };
+    let bump = sym(c"_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE")
+        .or_else(|| sym(c"_ZN5torch8autograd4impl12bump_versionERKN2at10TensorBaseE"));
+    let (Some(bump), Some(inference), Some(grad), Some(mode)) = (
+        bump,
+        sym(c"_ZN2at6native12is_inferenceERKNS_6TensorE"),
+        sym(c"_ZN3c108GradMode10is_enabledEv"),
+        sym(c"_ZN3c1013InferenceMode10is_enabledEv"),
+    ) else {
+        return Ok(None);
+    };
+    // SAFETY: non-NULL symbols of these mangled names are the functions of these signatures (an
+    // `at::Tensor` and an `at::TensorBase` are the same one pointer).
+    let v = unsafe {
+        Versions {
+            bump_version: std::mem::transmute::<*mut c_void, TensorFn>(bump),
+            is_inference: std::mem::transmute::<*mut c_void, BitFn>(inference),
+            grad_enabled: std::mem::transmute::<*mut c_void, FlagFn>(grad),
+            inference_mode: std::mem::transmute::<*mut c_void, FlagFn>(mode),
+        }
+    };
+    let globals = pyo3::types::PyDict::new(py);
+    globals.set_item("torch", torch)?;
+    py.run(
+        c"a = torch.zeros(4)\nb = a[1:]\nwith torch.inference_mode():\n    inf = torch.zeros(2)\n",
+        Some(&globals),
+        None,
+    )?;
+    let (Some(a), Some(b), Some(inf)) =
+        (globals.get_item("a")?, globals.get_item("b")?, globals.get_item("inf")?)
+    else {
+        return Ok(None);
+    };
+    let version = |t: &Bound<'_, PyAny>| t.getattr("_version")?.extract::<u64>();
+    let (Some(ta), Some(tinf)) = (bits.tensor_of(&a), bits.tensor_of(&inf)) else { return Ok(None) };
+    // SAFETY: as in `AtenBits::bump_version`, on live probe tensors of the verified type.
+    let (ia, iinf) = unsafe { ((v.is_inference)(ta), (v.is_inference)(tinf)) };
+    let method = |t: &Bound<'_, PyAny>| t.call_method0("is_inference")?.extract::<bool>();
+    if ia || !iinf || method(&a)? || !method(&inf)? {
+        return Ok(None);
+    }
+    let (va, vb) = (version(&a)?, version(&b)?);
+    // SAFETY: a normal (not inference) tensor of the verified type: it has a version counter.
+    unsafe { (v.bump_version)(ta) };
+    if version(&a)? != va + 1 || version(&b)? != vb + 1 {
+        return Ok(None);
+    }
+    // Grad mode both ways, restored whatever the checks find.
+    let set = torch.getattr("_C")?.getattr("_set_grad_enabled")?;
+    let was: bool = torch.call_method0("is_grad_enabled")?.extract()?;
+    // SAFETY: c10's thread-local read (the symbol of that name).
+    let agrees_now = unsafe { (v.grad_enabled)() } == was;
+    set.call1((!was,))?;
+    // SAFETY: as above.
+    let agrees_flipped = unsafe { (v.grad_enabled)() } != was;
+    set.call1((was,))?;
+    if !(agrees_now && agrees_flipped) {
+        return Ok(None);
+    }
+    // Inference mode off, then on inside `torch.inference_mode()` (left whatever the check finds).
+    // SAFETY: c10's thread-local read (the symbol of that name).
+    let off = !unsafe { (v.inference_mode)() }
+        && !torch.call_method0("is_inference_mode_enabled")?.extract::<bool>()?;
+    let ctx = torch.call_method1("inference_mode", (true,))?;
+    ctx.call_method0("__enter__")?;
+    // SAFETY: as above.
+    let on = unsafe { (v.inference_mode)() };
+    ctx.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+    Ok((off && on).then_some(v))
 }
 
 /// The `libtorch_cpu` torch has loaded (never loads it: `RTLD_NOLOAD`).

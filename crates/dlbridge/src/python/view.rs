@@ -101,7 +101,7 @@ impl TensorView<'_> {
         }
         // SAFETY: this thread holds the GIL (checked just above).
         let py = unsafe { Python::assume_attached() };
-        state.refuse_grad_leaf_write(&self.object(py))
+        state.refuse_write(&self.object(py))
     }
 
     /// The tensor, mutably, for the typed guards (never handed out: a borrowed tensor moved out
