@@ -174,6 +174,9 @@ class Kernel:
         self._backward = backward
         self._vmap_method = vmap_method
         self._op: Any = None
+        # torch.compiler.is_compiling once torch is there: an attribute of the instance, since
+        # under dynamo each name read on the way is a guard checked at every compiled call.
+        self._compiling: Callable[[], bool] = _never_compiling
         self._overload: Any = None
         self._jax_vjp: Any = None
         if "torch" in sys.modules:
@@ -203,12 +206,13 @@ class Kernel:
         # Inside torch.compile dynamo traces this method: what it reads here becomes guards
         # checked at every call of the compiled function, so the path reads little (the op binds
         # the arguments itself, defaults included).
-        if _is_compiling():
+        if self._compiling():
             # The op's overload itself: dynamo puts it in the graph at the cost of one guard.
             if self._mutated_idx is None:
                 return self._overload(*args, **kwargs)
             i = self._mutated_idx
-            y = args[i] if i < len(args) else kwargs[self._params[i]]
+            # (A slice, not len(args): no guard on the builtins.)
+            y = args[i] if args[i : i + 1] else kwargs[self._params[i]]
             # What eager refuses (TensorMut at conversion) and torch refuses of its own in-place
             # operations; under compile the kernel only ever sees AOTAutograd's functional copy,
             # so the rule is checked here, where dynamo traces it (and guards on it).
@@ -355,6 +359,7 @@ class Kernel:
             self._register_torch_autograd(torch, op)
         self._op = op
         self._overload = getattr(namespace, opname).default
+        self._compiling = torch.compiler.is_compiling
 
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
@@ -449,19 +454,14 @@ class Kernel:
 
 
 def _never_compiling() -> bool:
+    """A kernel's compile check until its torch op exists (before torch, nothing compiles)."""
     return False
 
 
-# torch.compiler.is_compiling once torch is imported (until then nothing compiles).
-_is_compiling: Callable[[], bool] = _never_compiling
-
-
 def _make_pending_torch_ops() -> None:
-    global _is_compiling
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    _is_compiling = torch.compiler.is_compiling
     while _PENDING_TORCH:
         k = _PENDING_TORCH.pop(0)
         if k._op is None:
