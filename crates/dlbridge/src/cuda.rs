@@ -112,6 +112,39 @@ unsafe impl Send for IpcMapping {}
 // SAFETY: as above; nothing is mutated through `&IpcMapping`.
 unsafe impl Sync for IpcMapping {}
 
+/// A device's primary context, retained and current while this lives (see
+/// [`Driver::enter_primary_context`]).
+struct PrimaryContext<'d> {
+    drv: &'d Driver,
+    dev: CuDevice,
+    ctx: CuContext,
+    /// Whether dropping releases the retain (false once handed on).
+    release: bool,
+}
+
+impl PrimaryContext<'_> {
+    /// Pops the context now and hands the retain to the caller, who releases it (once).
+    fn keep_retained(mut self) -> (CuDevice, CuContext) {
+        self.release = false;
+        (self.dev, self.ctx)
+    }
+}
+
+impl Drop for PrimaryContext<'_> {
+    fn drop(&mut self) {
+        let mut popped: CuContext = std::ptr::null_mut();
+        // SAFETY: this context was pushed by `enter_primary_context` on this thread (the guard is
+        // not Send: it holds a raw context pointer) and is popped once; the retain is released
+        // once, unless handed on.
+        unsafe {
+            (self.drv.ctx_pop)(&mut popped);
+            if self.release {
+                (self.drv.primary_ctx_release)(self.dev);
+            }
+        }
+    }
+}
+
 /// A mapping this process holds: (device, handle, mapping).
 type Mapped = (i32, [u8; IPC_HANDLE_SIZE], Weak<IpcMapping>);
 
@@ -249,14 +282,15 @@ impl Driver {
         f.ok_or_else(|| format!("the CUDA driver lacks {name}"))
     }
 
-    /// Runs `f` with device `device`'s primary context current (retained, pushed, popped and
-    /// released around it).
-    fn in_primary_context<T>(&self, device: i32, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    /// Retains device `device`'s primary context and makes it current: popped when the guard is
+    /// dropped, and released then too unless the guard hands the retain on
+    /// ([`PrimaryContext::keep_retained`]). Every error path undoes what was done.
+    fn enter_primary_context(&self, device: i32) -> Result<PrimaryContext<'_>, String> {
         let err = |what: &str, rc: c_int| Err(format!("CUDA {what} failed for device {device} (error {rc})"));
         let mut dev: CuDevice = 0;
         let mut ctx: CuContext = std::ptr::null_mut();
         // SAFETY: out-pointers to locals; the driver validates the ordinal; the context pushed is
-        // the one just retained, popped before it is released.
+        // the one just retained, released here if the push fails (else by the guard).
         unsafe {
             let rc = (self.device_get)(&mut dev, device);
             if rc != 0 {
@@ -267,14 +301,19 @@ impl Driver {
                 return err("cuDevicePrimaryCtxRetain", rc);
             }
             let rc = (self.ctx_push)(ctx);
-            let result = if rc != 0 { err("cuCtxPushCurrent", rc) } else { f() };
-            let mut popped: CuContext = std::ptr::null_mut();
-            if rc == 0 {
-                (self.ctx_pop)(&mut popped);
+            if rc != 0 {
+                (self.primary_ctx_release)(dev);
+                return err("cuCtxPushCurrent", rc);
             }
-            (self.primary_ctx_release)(dev);
-            result
         }
+        Ok(PrimaryContext { drv: self, dev, ctx, release: true })
+    }
+
+    /// Runs `f` with device `device`'s primary context current (retained, pushed, popped and
+    /// released around it).
+    fn in_primary_context<T>(&self, device: i32, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+        let _current = self.enter_primary_context(device)?;
+        f()
     }
 
     /// Waits until every command queued in device `device`'s primary context (every stream of
@@ -341,26 +380,12 @@ impl Driver {
             drop(reg);
             return Ok(m);
         }
-        let err = |what: &str, rc: c_int| Err(format!("CUDA {what} failed for device {device} (error {rc})"));
-        let mut dev: CuDevice = 0;
-        let mut ctx: CuContext = std::ptr::null_mut();
-        // SAFETY: out-pointers to locals; the ordinal is validated by the driver; the handle is
-        // 64 plain bytes passed by value, which the driver looks up and refuses if unknown; each
-        // retain/push is undone on every error path, the retain kept only with a mapping.
+        // The context is popped and released when `current` drops, unless a mapping keeps it.
+        let current = self.enter_primary_context(device)?;
+        // SAFETY: the primary context is current; the handle is 64 plain bytes passed by value,
+        // which the driver looks up and refuses if unknown; a handle opened is closed on every
+        // error path.
         let (ptr, size) = unsafe {
-            let rc = (self.device_get)(&mut dev, device);
-            if rc != 0 {
-                return err("cuDeviceGet", rc);
-            }
-            let rc = (self.primary_ctx_retain)(&mut ctx, dev);
-            if rc != 0 {
-                return err("cuDevicePrimaryCtxRetain", rc);
-            }
-            let rc = (self.ctx_push)(ctx);
-            if rc != 0 {
-                (self.primary_ctx_release)(dev);
-                return err("cuCtxPushCurrent", rc);
-            }
             let mut ptr: u64 = 0;
             let rc = open(&mut ptr, IpcMemHandle { reserved: *handle }, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
             let result = if rc != 0 {
@@ -380,16 +405,10 @@ impl Driver {
             if result.is_err() && rc == 0 {
                 close(ptr);
             }
-            let mut popped: CuContext = std::ptr::null_mut();
-            (self.ctx_pop)(&mut popped);
-            match result {
-                Ok(r) => r,
-                Err(e) => {
-                    (self.primary_ctx_release)(dev);
-                    return Err(e);
-                }
-            }
+            result?
         };
+        // The mapping keeps the retain (released in its Drop); the context is popped here.
+        let (dev, ctx) = current.keep_retained();
         let m = Arc::new(IpcMapping { device, ctx, dev, ptr, size });
         reg.retain(|(_, _, w)| w.strong_count() > 0);
         reg.push((device, *handle, Arc::downgrade(&m)));
