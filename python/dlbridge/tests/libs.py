@@ -295,3 +295,30 @@ CONSUMERS: dict[str, Callable[[Any], Any]] = {
     "pyarrow": consume_pyarrow,
     "dlbridge": consume_dlbridge,
 }
+
+
+class FakeCudaArray:
+    """A CUDA producer written for the tests: a made-up device pointer that is never dereferenced
+    (no real library can produce one on a machine without a GPU)."""
+
+    def __init__(self, **overrides: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (2, 3),
+            "typestr": "<f4",
+            "data": (0x7F00_0000_0000, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        } | overrides
+
+
+CHILD_WAIT = 120  # seconds: the most a test's child process is waited for before it is killed
+
+
+def reap(*procs: Any) -> None:
+    """Joins child processes, killing any still alive after CHILD_WAIT (never a pass/fail bound)."""
+    for p in procs:
+        p.join(CHILD_WAIT)
+        if p.is_alive():
+            p.kill()
+            p.join(CHILD_WAIT)

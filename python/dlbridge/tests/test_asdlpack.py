@@ -19,7 +19,7 @@ import pytest
 import dlbridge
 
 from ._dlpack_ctypes import READ_ONLY, read_capsule
-from .libs import NUMPY_DTYPES, assert_no_growth, need
+from .libs import NUMPY_DTYPES, FakeCudaArray, assert_no_growth, need
 
 SHAPES = ["0d", "1d", "3d", "size0", "negative"]
 
@@ -34,20 +34,6 @@ class ArrayInterfaceOnly:
 
 class BufferOnly:
     """Exposes a numpy array through the buffer protocol alone (a memoryview does exactly that)."""
-
-
-class FakeCudaArray:
-    """A CUDA producer written for the test: a made-up device pointer that is never dereferenced."""
-
-    def __init__(self, **overrides):
-        self.__cuda_array_interface__ = {
-            "shape": (2, 3),
-            "typestr": "<f4",
-            "data": (0x7F00_0000_0000, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        } | overrides
 
 
 def numpy_case(dtype: str, shape: str):

@@ -21,26 +21,12 @@ import pytest
 
 import dlbridge
 
-from .libs import need
+from .libs import CHILD_WAIT, FakeCudaArray, need, reap
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pickling is built on Linux")
 
-WAIT = 120  # seconds: the most any child is waited for before it is killed (never a pass/fail bound)
+WAIT = CHILD_WAIT
 rebuild_cuda = dlbridge._dlbridge._rebuild_cuda
-
-
-class FakeCudaArray:
-    """A CUDA producer written for the test: a made-up device pointer that is never dereferenced."""
-
-    def __init__(self, **overrides):
-        self.__cuda_array_interface__ = {
-            "shape": (2, 3),
-            "typestr": "<f4",
-            "data": (0x7F00_0000_0000, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        } | overrides
 
 
 def driver_available() -> bool:
@@ -349,14 +335,6 @@ def _cuda_torch():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return torch
-
-
-def reap(*procs: mp.process.BaseProcess) -> None:
-    for p in procs:
-        p.join(WAIT)
-        if p.is_alive():
-            p.kill()
-            p.join(WAIT)
 
 
 def run_child(target, *args):

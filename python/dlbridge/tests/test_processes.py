@@ -22,14 +22,14 @@ import pytest
 
 import dlbridge
 
-from .libs import have, need
+from .libs import CHILD_WAIT, have, need, reap
 
 pytestmark = [
     pytest.mark.processes,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="shared tensors are Linux memfds"),
 ]
 
-WAIT = 120  # seconds: the most any child is waited for before it is killed (never a pass/fail bound)
+WAIT = CHILD_WAIT
 METHODS = [m for m in ("spawn", "fork", "forkserver") if m in mp.get_all_start_methods()]
 MEMFD = "/memfd:dlbridge-shm"
 
@@ -80,14 +80,6 @@ def dev_shm() -> set[str]:
         except OSError:
             pass
     return found
-
-
-def reap(*procs: mp.process.BaseProcess) -> None:
-    for p in procs:
-        p.join(WAIT)
-        if p.is_alive():
-            p.kill()
-            p.join(WAIT)
 
 
 def floats(t: dlbridge.Tensor) -> memoryview:
