@@ -215,7 +215,10 @@ class Kernel:
             y = args[i] if args[i : i + 1] else kwargs[self._params[i]]
             # What eager refuses (TensorMut at conversion) and torch refuses of its own in-place
             # operations; under compile the kernel only ever sees AOTAutograd's functional copy,
-            # so the rule is checked here, where dynamo traces it (and guards on it).
+            # so the rule is checked here, where dynamo traces it (and guards on it). The other
+            # rule, no write into an inference tensor outside inference mode, cannot be checked
+            # here (dynamo refuses to trace `is_inference()`): torch's own check applies, after
+            # the write, as for its own in-place operations compiled or not (eager refuses before).
             if y.requires_grad and y.is_leaf and sys.modules["torch"].is_grad_enabled():
                 raise TypeError(
                     f"{self.__name__}: argument {self._params[i]!r}: requires_grad: a leaf tensor that requires "

@@ -200,3 +200,81 @@ def test_grad_mode_is_read_per_thread() -> None:
         th.start()
         th.join()
     assert len(seen) == 1 and "requires_grad: a leaf tensor that requires grad" in seen[0], seen
+
+
+def _child(code: str) -> str:
+    """Runs `code` in a fresh interpreter (an abort there fails the test instead of the session)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+@hooks
+@pytest.mark.parametrize("kind", ["tensor", "subclass"])
+def test_a_tensor_holding_an_inference_tensor_as_data_is_refused_not_aborted(kind: str) -> None:
+    # Its keys no longer say inference, but it has no version counter: torch's bump throws a C++
+    # exception for it, which crossing into Rust would abort the process (the review found it).
+    need("torch")
+    out = _child(
+        f"""
+import torch, dlbridge
+H = dlbridge._dlbridge
+with torch.inference_mode():
+    y = torch.zeros(3, dtype=torch.float64)
+    if {kind!r} == "subclass":
+        y = y.as_subclass(type("Sub", (torch.Tensor,), {{}}))
+y.data = torch.ones(3, dtype=torch.float64)
+assert not y.is_inference()
+for f in (H._typed_mut_probe, H._typed_mut_of_view, lambda t: H._view_add(t, 1.0)):
+    try:
+        f(y)
+        raise SystemExit("accepted")
+    except TypeError as e:
+        assert "is_inference: an inference tensor" in str(e), e
+assert y.tolist() == [1.0, 1.0, 1.0]
+with torch.inference_mode():
+    H._typed_mut_probe(y)  # allowed there, nothing to bump
+    H._view_add(y, 1.0)
+assert y.tolist() == [2.0, 2.0, 2.0]
+print("ok")
+"""
+    )
+    assert out.strip() == "ok"
+
+
+@hooks
+def test_writes_are_verified_when_torch_is_first_seen_inside_inference_mode() -> None:
+    # The probes are made outside inference mode whatever mode dlbridge first meets torch in (an
+    # inference server), so the fast write path is not given up for the whole process.
+    need("torch")
+    out = _child(
+        """
+import torch, dlbridge
+H = dlbridge._dlbridge
+with torch.inference_mode():
+    H._typed_mut_probe(torch.ones(4, dtype=torch.float64))
+    assert torch.is_inference_mode_enabled()
+print(H._torch_writes_from_aten(), torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+"""
+    )
+    assert out.split() == ["True", "False", "True"]
+
+
+@hooks
+def test_a_view_made_typed_for_writing_bumps_the_version_too() -> None:
+    torch = need("torch")
+    w = torch.ones(3, dtype=torch.float64)
+    v = w._version
+    dlbridge._dlbridge._typed_mut_of_view(w)
+    assert w._version == v + 1
+    g = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match="requires_grad: a leaf tensor that requires grad"):
+        dlbridge._dlbridge._typed_mut_of_view(g)
+    f = torch.ones(3)
+    v = f._version
+    with pytest.raises(TypeError, match="expected writable float64 1-d C-contiguous"):
+        dlbridge._dlbridge._typed_mut_of_view(f)
+    assert f._version == v  # a mismatch bumps nothing

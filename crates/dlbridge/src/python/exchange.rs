@@ -231,8 +231,9 @@ impl TorchState {
     }
 
     /// What torch refuses of an in-place write, refused of a kernel's mutable access too:
-    /// - writing into an inference tensor outside inference mode ("Inplace update to inference
-    ///   tensor outside InferenceMode is not allowed");
+    /// - writing into a tensor without a version counter (an inference tensor, or one holding one
+    ///   as its `.data`) outside inference mode ("Inplace update to inference tensor outside
+    ///   InferenceMode is not allowed");
     /// - writing into a leaf that requires grad while grad mode is on ("a leaf Variable that
     ///   requires grad is being used in an in-place operation"). Under `torch.no_grad()` torch
     ///   allows it (that is how optimizers update parameters), and so does this; a non-leaf that
@@ -245,18 +246,18 @@ impl TorchState {
     pub(crate) fn refuse_write(&self, obj: &Bound<'_, PyAny>) -> crate::Result<()> {
         let py = obj.py();
         let bits = super::torch_bits::aten_bits(py);
-        let inference = match bits.and_then(|b| b.inference_write_refused(obj)) {
+        let without_counter = match bits.and_then(|b| b.write_refused_without_counter(obj)) {
             Some(refused) => Ok(refused),
-            None => inference_write_refused(obj),
+            None => write_refused_without_counter(obj),
         };
         let inference_refused = |reason: String| crate::Error::WriteRefused { field: "is_inference", reason };
-        match inference {
+        match without_counter {
             Ok(false) => {}
             Ok(true) => {
                 return Err(inference_refused(
-                    "an inference tensor (made under torch.inference_mode()) cannot be written in place \
-                     outside inference mode (torch refuses it too); write it inside torch.inference_mode(), \
-                     or pass a clone"
+                    "an inference tensor (made under torch.inference_mode(), or holding one as its .data) \
+                     cannot be written in place outside inference mode (torch refuses it too); write it \
+                     inside torch.inference_mode(), or pass a clone"
                         .into(),
                 ));
             }
@@ -974,14 +975,16 @@ pub fn tensor_exchange_capsule(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     unsafe { Bound::from_owned_ptr_or_err(py, cap) }
 }
 
-/// Whether `obj` is an inference tensor while inference mode is off (torch's refusal of an
-/// in-place write), asked through torch's Python methods (for what [`super::torch_bits`] does not
-/// read: a subclass, or a torch whose functions were not verified).
-fn inference_write_refused(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+/// Whether `obj` has no version counter while inference mode is off (torch's refusal of an
+/// in-place write), asked through torch's Python attributes (for what [`super::torch_bits`] does
+/// not read: a subclass, or a torch whose functions were not verified): `_version` raises
+/// `RuntimeError` exactly when there is no counter.
+fn write_refused_without_counter(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = obj.py();
-    match obj.getattr_opt(intern!(py, "is_inference"))? {
-        Some(m) if m.call0()?.is_truthy()? => {}
-        _ => return Ok(false),
+    match obj.getattr(intern!(py, "_version")) {
+        Ok(_) => return Ok(false),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyRuntimeError>(py) => {}
+        Err(e) => return Err(e),
     }
     static MODE: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
     let mode = MODE.get_or_try_init(py, || {

@@ -28,6 +28,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_current_work_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
+    m.add_function(wrap_pyfunction!(_typed_mut_of_view, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_bits_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_writes_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_xla_copy_cuda, m)?)?;
@@ -272,6 +273,14 @@ fn _typed_probe(
 /// checks and effects (torch's write rules, the version bump).
 #[pyfunction]
 fn _typed_mut_probe(_x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::spec::C>) {}
+
+/// Test hook: a view made typed for writing by hand (`TensorView::typed_mut`), as a kernel taking
+/// an untyped view may.
+#[pyfunction]
+fn _typed_mut_of_view(x: TensorView<'_>) -> PyResult<()> {
+    x.typed_mut::<f64, crate::spec::Rank<1>, crate::spec::C, crate::spec::Cpu>()?;
+    Ok(())
+}
 
 /// Whether torch's negative and conjugate bits are read through ATen's native kernels in this
 /// process (verified once; else through the methods).

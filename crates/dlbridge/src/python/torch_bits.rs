@@ -31,14 +31,22 @@
 //! `torch::autograd::impl::bump_version` (what `torch._C._increment_version` calls, without the
 //! Python call around it: ~180 ns here, more inside a compiled custom op), grad mode is read
 //! through `c10::GradMode::is_enabled` (the thread-local `torch.is_grad_enabled()` reads), and
-//! inference mode through `c10::InferenceMode::is_enabled`. An inference tensor has no version
-//! counter, and torch's bump throws a C++ exception for one outside inference mode, which must
-//! never cross into Rust: `at::native::is_inference` is asked first, and an inference tensor is
-//! never bumped (writing one outside inference mode is refused before, as torch refuses it).
-//! Checked on probes: the bump adds exactly one to `_version` (and to a view's, which shares the
-//! counter), `is_inference` agrees with the method on a normal and an inference tensor, grad
-//! mode agrees with `torch.is_grad_enabled()` both ways, and inference mode reads off outside
-//! `torch.inference_mode()` and on inside it.
+//! inference mode through `c10::InferenceMode::is_enabled`. A tensor may have no version counter:
+//! an inference tensor, and also a plain tensor whose `.data` was one (its keys no longer say
+//! inference). torch's bump throws a C++ exception for such a tensor outside inference mode, and
+//! an exception must never cross into Rust; so the counter itself is read first
+//! (`torch::autograd::impl::version_counter`, a reference to the `TensorImpl`'s
+//! `c10::VariableVersion`, whose one field is the counter's pointer, NULL when there is none), and
+//! the bump is made only when it exists. Writing a tensor without a counter outside inference mode
+//! is refused before (what torch refuses of `x.add_()`), and inside inference mode there is
+//! nothing to bump.
+//!
+//! Checked on probes made outside inference mode, whatever mode torch is first seen in: the
+//! counter is there exactly where `_version` can be read (a tensor, a view of it, an inference
+//! tensor, a plain tensor whose `.data` is an inference tensor); the bump adds exactly one to
+//! `_version` and to a view's, which shares the counter; grad mode agrees with
+//! `torch.is_grad_enabled()` both ways; inference mode agrees now, inside `torch.inference_mode()`
+//! and inside `torch.inference_mode(False)`.
 
 use std::ffi::{CString, c_char, c_int, c_void};
 
@@ -52,6 +60,9 @@ use pyo3::sync::PyOnceLock;
 type BitFn = unsafe extern "C-unwind" fn(*const c_void) -> bool;
 /// `void torch::autograd::impl::bump_version(const at::Tensor&)`.
 type TensorFn = unsafe extern "C-unwind" fn(*const c_void);
+/// `const c10::VariableVersion& torch::autograd::impl::version_counter(const at::Tensor&)`: a
+/// pointer to the counter's handle (one `intrusive_ptr`: the counter's address, NULL for none).
+type CounterFn = unsafe extern "C-unwind" fn(*const c_void) -> *const *const c_void;
 /// `bool c10::GradMode::is_enabled()`.
 type FlagFn = unsafe extern "C-unwind" fn() -> bool;
 
@@ -68,9 +79,35 @@ pub(crate) struct AtenBits {
 /// torch's version bump, inference test and grad mode (see the module docs).
 struct Versions {
     bump_version: TensorFn,
-    is_inference: BitFn,
+    version_counter: CounterFn,
     grad_enabled: FlagFn,
     inference_mode: FlagFn,
+}
+
+impl Versions {
+    /// Whether the tensor at `t` has a version counter.
+    ///
+    /// # Safety
+    ///
+    /// `t` points to a live, defined `at::Tensor` (a verified `THPVariable`'s `cdata`), the GIL
+    /// held.
+    #[inline]
+    unsafe fn has_counter(&self, t: *const c_void) -> bool {
+        // SAFETY: the caller's promise; the function returns a reference to the tensor's
+        // `VariableVersion` (verified on probes), whose first word is the counter's pointer.
+        unsafe { !(*(self.version_counter)(t)).is_null() }
+    }
+}
+
+/// What [`AtenBits::bump_version`] did.
+pub(crate) enum Bump {
+    /// The counter went up by one.
+    Done,
+    /// The tensor has no counter: nothing to bump (writing it outside inference mode was refused
+    /// before, by [`AtenBits::write_refused_without_counter`]).
+    NoCounter,
+    /// Not decided here (not exactly `torch.Tensor`, or not verified): torch's Python function.
+    NotHere,
 }
 
 /// Where `cdata` sits in a `THPVariable`: right after the object header.
@@ -149,32 +186,32 @@ impl AtenBits {
         Some(unsafe { (v.grad_enabled)() })
     }
 
-    /// Whether `obj` is an inference tensor while inference mode is off in this thread (what
-    /// torch refuses to write in place), read through ATen and c10; `None` when `obj` is not
-    /// exactly `torch.Tensor` or that was not verified.
+    /// Whether `obj` has no version counter while inference mode is off in this thread (an
+    /// inference tensor, or one whose `.data` is: what torch refuses to write in place), read
+    /// through ATen and c10; `None` when `obj` is not exactly `torch.Tensor` or that was not
+    /// verified.
     #[inline]
-    pub(crate) fn inference_write_refused(&self, obj: &Bound<'_, PyAny>) -> Option<bool> {
+    pub(crate) fn write_refused_without_counter(&self, obj: &Bound<'_, PyAny>) -> Option<bool> {
         let (v, t) = (self.versions.as_ref()?, self.tensor_of(obj)?);
-        // SAFETY: as in `is_neg` (ATen's native kernel, verified on probes), then c10's
+        // SAFETY: `t` is the live object's tensor, the GIL held (`obj` is bound to it); then c10's
         // thread-local read (verified against torch.is_inference_mode_enabled()).
-        Some(unsafe { (v.is_inference)(t) && !(v.inference_mode)() })
+        Some(unsafe { !v.has_counter(t) && !(v.inference_mode)() })
     }
 
-    /// Bumps `obj`'s version counter, as torch's in-place operations do; `false` when it is not
-    /// done here (not exactly `torch.Tensor`, an inference tensor, or not verified): then the
-    /// caller calls torch's Python function (which skips an inference tensor: no counter).
+    /// Bumps `obj`'s version counter, as torch's in-place operations do (see [`Bump`]).
     #[inline]
-    pub(crate) fn bump_version(&self, obj: &Bound<'_, PyAny>) -> bool {
-        let (Some(v), Some(t)) = (self.versions.as_ref(), self.tensor_of(obj)) else { return false };
-        // SAFETY: as in `is_neg` (ATen's native kernel, verified on probes).
-        if unsafe { (v.is_inference)(t) } {
-            return false;
+    pub(crate) fn bump_version(&self, obj: &Bound<'_, PyAny>) -> Bump {
+        let (Some(v), Some(t)) = (self.versions.as_ref(), self.tensor_of(obj)) else { return Bump::NotHere };
+        // SAFETY: as in `write_refused_without_counter`.
+        if !unsafe { v.has_counter(t) } {
+            return Bump::NoCounter;
         }
-        // SAFETY: `t` points to the live object's defined tensor, which is not an inference tensor,
-        // so it has a version counter and torch's bump cannot throw; the GIL is held (as for any
-        // in-place operation from Python); the function was verified on probes.
+        // SAFETY: `t` points to the live object's defined tensor, which has a version counter
+        // (read just above with the GIL held: nothing ran in between), so torch's bump cannot
+        // throw (it throws only for a missing counter outside inference mode); the function was
+        // verified on probes.
         unsafe { (v.bump_version)(t) };
-        true
+        Bump::Done
     }
 }
 
@@ -238,7 +275,7 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
     Ok(Some(bits))
 }
 
-/// The version bump, inference test and grad mode, checked on probes; `Ok(None)` when anything
+/// The version counter, bump, grad and inference mode, checked on probes; `Ok(None)` when anything
 /// does not hold. (`dlsym` on `libtorch_cpu`'s handle also searches what it depends on: c10.)
 fn find_versions(
     py: Python<'_>,
@@ -253,46 +290,58 @@ fn find_versions(
     };
     let bump = sym(c"_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE")
         .or_else(|| sym(c"_ZN5torch8autograd4impl12bump_versionERKN2at10TensorBaseE"));
-    let (Some(bump), Some(inference), Some(grad), Some(mode)) = (
-        bump,
-        sym(c"_ZN2at6native12is_inferenceERKNS_6TensorE"),
-        sym(c"_ZN3c108GradMode10is_enabledEv"),
-        sym(c"_ZN3c1013InferenceMode10is_enabledEv"),
-    ) else {
+    let counter = sym(c"_ZN5torch8autograd4impl15version_counterERKN2at6TensorE")
+        .or_else(|| sym(c"_ZN5torch8autograd4impl15version_counterERKN2at10TensorBaseE"));
+    let (Some(bump), Some(counter), Some(grad), Some(mode)) =
+        (bump, counter, sym(c"_ZN3c108GradMode10is_enabledEv"), sym(c"_ZN3c1013InferenceMode10is_enabledEv"))
+    else {
         return Ok(None);
     };
     // SAFETY: non-NULL symbols of these mangled names are the functions of these signatures (an
-    // `at::Tensor` and an `at::TensorBase` are the same one pointer).
+    // `at::Tensor` and an `at::TensorBase` are the same one pointer; a C++ reference return is a
+    // pointer).
     let v = unsafe {
         Versions {
             bump_version: std::mem::transmute::<*mut c_void, TensorFn>(bump),
-            is_inference: std::mem::transmute::<*mut c_void, BitFn>(inference),
+            version_counter: std::mem::transmute::<*mut c_void, CounterFn>(counter),
             grad_enabled: std::mem::transmute::<*mut c_void, FlagFn>(grad),
             inference_mode: std::mem::transmute::<*mut c_void, FlagFn>(mode),
         }
     };
+    // Probes made outside inference mode, whatever mode torch is first seen in: a tensor, a view
+    // of it (sharing its counter), an inference tensor, and a plain tensor whose `.data` was an
+    // inference tensor (no counter, keys not inference); `counted` says where `_version` reads.
     let globals = pyo3::types::PyDict::new(py);
     globals.set_item("torch", torch)?;
     py.run(
-        c"a = torch.zeros(4)\nb = a[1:]\nwith torch.inference_mode():\n    inf = torch.zeros(2)\n",
+        c"with torch.inference_mode(False):\n    a = torch.zeros(4)\n    b = a[1:]\n    \
+          with torch.inference_mode():\n        inf = torch.zeros(2)\n        dz = torch.zeros(2)\n    \
+          dz.data = torch.ones(2)\n\
+          def readable(t):\n    try:\n        t._version\n        return True\n    \
+          except RuntimeError:\n        return False\n\
+          probes = [a, b, inf, dz]\ncounted = [readable(t) for t in probes]\n",
         Some(&globals),
         None,
     )?;
-    let (Some(a), Some(b), Some(inf)) =
-        (globals.get_item("a")?, globals.get_item("b")?, globals.get_item("inf")?)
-    else {
-        return Ok(None);
-    };
-    let version = |t: &Bound<'_, PyAny>| t.getattr("_version")?.extract::<u64>();
-    let (Some(ta), Some(tinf)) = (bits.tensor_of(&a), bits.tensor_of(&inf)) else { return Ok(None) };
-    // SAFETY: as in `AtenBits::bump_version`, on live probe tensors of the verified type.
-    let (ia, iinf) = unsafe { ((v.is_inference)(ta), (v.is_inference)(tinf)) };
-    let method = |t: &Bound<'_, PyAny>| t.call_method0("is_inference")?.extract::<bool>();
-    if ia || !iinf || method(&a)? || !method(&inf)? {
+    let item =
+        |k: &str| globals.get_item(k)?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(k.to_owned()));
+    let counted: Vec<bool> = item("counted")?.extract()?;
+    if counted != [true, true, false, false] {
         return Ok(None);
     }
+    for (p, counted) in item("probes")?.try_iter()?.zip(counted) {
+        let Some(t) = bits.tensor_of(&p?) else { return Ok(None) };
+        // SAFETY: a live probe tensor of the verified type, the GIL held.
+        if unsafe { v.has_counter(t) } != counted {
+            return Ok(None);
+        }
+    }
+    let (a, b) = (item("a")?, item("b")?);
+    let version = |t: &Bound<'_, PyAny>| t.getattr("_version")?.extract::<u64>();
+    let Some(ta) = bits.tensor_of(&a) else { return Ok(None) };
     let (va, vb) = (version(&a)?, version(&b)?);
-    // SAFETY: a normal (not inference) tensor of the verified type: it has a version counter.
+    // SAFETY: a probe of the verified type with a counter (checked just above): the bump cannot
+    // throw.
     unsafe { (v.bump_version)(ta) };
     if version(&a)? != va + 1 || version(&b)? != vb + 1 {
         return Ok(None);
@@ -309,16 +358,19 @@ fn find_versions(
     if !(agrees_now && agrees_flipped) {
         return Ok(None);
     }
-    // Inference mode off, then on inside `torch.inference_mode()` (left whatever the check finds).
+    // Inference mode now, inside `torch.inference_mode()` and inside `torch.inference_mode(False)`
+    // (each left whatever the check finds).
+    let now: bool = torch.call_method0("is_inference_mode_enabled")?.extract()?;
     // SAFETY: c10's thread-local read (the symbol of that name).
-    let off = !unsafe { (v.inference_mode)() }
-        && !torch.call_method0("is_inference_mode_enabled")?.extract::<bool>()?;
-    let ctx = torch.call_method1("inference_mode", (true,))?;
-    ctx.call_method0("__enter__")?;
-    // SAFETY: as above.
-    let on = unsafe { (v.inference_mode)() };
-    ctx.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
-    Ok((off && on).then_some(v))
+    let mut agrees = unsafe { (v.inference_mode)() } == now;
+    for mode in [true, false] {
+        let ctx = torch.call_method1("inference_mode", (mode,))?;
+        ctx.call_method0("__enter__")?;
+        // SAFETY: as above.
+        agrees &= unsafe { (v.inference_mode)() } == mode;
+        ctx.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+    }
+    Ok(agrees.then_some(v))
 }
 
 /// The `libtorch_cpu` torch has loaded (never loads it: `RTLD_NOLOAD`).

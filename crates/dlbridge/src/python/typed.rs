@@ -292,15 +292,20 @@ fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec)
 /// `bump_version` for exactly `torch.Tensor` ([`super::torch_bits`]), else one call of
 /// `torch._C._increment_version` (~180 ns here); nothing for other types.
 fn bump_torch_version(obj: &Borrowed<'_, '_, PyAny>) -> PyResult<()> {
-    let py = obj.py();
     let Some(state) = super::cache::type_info(&obj.get_type())?.torch else { return Ok(()) };
     // What torch refuses of an in-place write is refused here, at conversion (the argument named).
     state.refuse_write(obj)?;
-    // Through ATen where verified (exactly torch.Tensor, not an inference tensor), else torch's
-    // Python function (which skips an inference tensor: it has no counter, and may be written
-    // only in inference mode, which `refuse_write` checked).
-    if super::torch_bits::aten_bits(py).is_some_and(|b| b.bump_version(obj)) {
-        return Ok(());
+    bump_version(obj)
+}
+
+/// Bumps a torch tensor's version counter (after [`super::exchange`]'s `refuse_write`): through
+/// ATen where verified (exactly torch.Tensor; a tensor without a counter has nothing to bump),
+/// else torch's Python function.
+pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    let py = obj.py();
+    match super::torch_bits::aten_bits(py).map(|b| b.bump_version(obj)) {
+        Some(super::torch_bits::Bump::Done | super::torch_bits::Bump::NoCounter) => return Ok(()),
+        Some(super::torch_bits::Bump::NotHere) | None => {}
     }
     static BUMP: pyo3::sync::PyOnceLock<Option<Py<PyAny>>> = pyo3::sync::PyOnceLock::new();
     let bump = BUMP.get_or_init(py, || {

@@ -86,22 +86,38 @@ impl TensorView<'_> {
     }
 
     /// The producer's own rules on in-place writes (torch: no write into a leaf that requires
-    /// grad while grad mode is on); nothing to check for other producers.
+    /// grad while grad mode is on, nor into an inference tensor outside inference mode); nothing
+    /// to check for other producers.
     pub(crate) fn check_producer_write_rules(&self) -> crate::Result<()> {
+        let Some((state, py)) = self.torch_attached()? else { return Ok(()) };
+        state.refuse_write(&self.object(py))
+    }
+
+    /// A torch tensor's version counter bumped, as torch's in-place operations do (what a
+    /// `TensorMut` argument does at conversion); nothing for other producers.
+    fn bump_producer_version(&self) -> crate::Result<()> {
+        let Some((_, py)) = self.torch_attached()? else { return Ok(()) };
+        super::typed::bump_version(&self.object(py)).map_err(|e| crate::Error::WriteRefused {
+            field: "_version",
+            reason: format!("could not be bumped: {e}"),
+        })
+    }
+
+    /// The torch state of a torch tensor's view, with the GIL this thread must hold to use it.
+    fn torch_attached(&self) -> crate::Result<Option<(&'static super::exchange::TorchState, Python<'_>)>> {
         // SAFETY: the block is owned by this view and alive until it drops.
         let torch = self.borrow.and_then(|b| unsafe { b.as_ref() }.torch);
-        let Some(state) = torch else { return Ok(()) };
+        let Some(state) = torch else { return Ok(None) };
         if !super::release::attached_here() {
             return Err(crate::Error::WriteRefused {
                 field: "requires_grad",
-                reason:
-                    "mutable access to a torch tensor is asked for with the GIL held (it reads requires_grad)"
-                        .into(),
+                reason: "mutable access to a torch tensor needs this thread to hold the GIL (it reads \
+                         requires_grad)"
+                    .into(),
             });
         }
         // SAFETY: this thread holds the GIL (checked just above).
-        let py = unsafe { Python::assume_attached() };
-        state.refuse_write(&self.object(py))
+        Ok(Some((state, unsafe { Python::assume_attached() })))
     }
 
     /// The tensor, mutably, for the typed guards (never handed out: a borrowed tensor moved out
@@ -170,7 +186,11 @@ impl<'a> TensorView<'a> {
         self,
     ) -> crate::Result<super::TensorMut<'a, T, S, O, D>> {
         self.check_producer_write_rules()?;
-        super::TensorMut::new(self)
+        let t = super::TensorMut::new(self)?;
+        // Announced to autograd as a `TensorMut` argument is (after the checks: a refusal bumps
+        // nothing).
+        t.view().bump_producer_version()?;
+        Ok(t)
     }
 
     /// Borrows `obj` for as long as the reference to it lives: the view cannot outlive the object.
