@@ -278,3 +278,131 @@ def test_a_view_made_typed_for_writing_bumps_the_version_too() -> None:
     with pytest.raises(TypeError, match="expected writable float64 1-d C-contiguous"):
         dlbridge._dlbridge._typed_mut_of_view(f)
     assert f._version == v  # a mismatch bumps nothing
+
+
+@hooks
+def test_python_run_by_the_write_rules_cannot_leave_a_view_on_freed_memory() -> None:
+    # torch's requires_grad getter calls an active TorchFunctionMode; one that replaces the
+    # tensor's storage there (swap_tensors, set_, .data =) would leave a borrowed view pointing into
+    # freed memory (the review's segfault). A view's mutable access now reads the table's
+    # description again after the rules and refuses a change; a TensorMut argument reads the rules
+    # before it takes the view.
+    need("torch")
+    out = _child(
+        """
+import torch, dlbridge._dlbridge as D
+from torch.overrides import TorchFunctionMode
+D._typed_mut_probe(torch.zeros(3, dtype=torch.float64))
+N = 1 << 16
+x = torch.zeros(N, dtype=torch.float64)
+spare = [torch.zeros(N, dtype=torch.float64)]
+class Swapper(TorchFunctionMode):
+    armed = True
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if Swapper.armed and getattr(func, "__name__", "") == "__get__" and args and args[0] is x:
+            Swapper.armed = False
+            torch.utils.swap_tensors(x, spare[0])
+            spare.clear()  # x's old storage is freed
+        return func(*args, **(kwargs or {}))
+with Swapper():
+    try:
+        D._view_add(x, 7.0)
+        raise SystemExit("accepted")
+    except TypeError as e:
+        assert "data: the tensor's memory was replaced" in str(e), e
+assert float(x.sum()) == 0.0
+y = torch.zeros(N, dtype=torch.float64)
+spare = [torch.zeros(N, dtype=torch.float64)]
+x = y
+Swapper.armed = True
+with Swapper():
+    v = spare[0]._version
+    D._typed_mut_probe(y)  # the rules ran (and swapped) before the view was taken
+assert y._version == v + 1, (y._version, v)  # y now holds the spare's tensor, bumped once
+print("ok")
+"""
+    )
+    assert out.strip() == "ok"
+
+
+@hooks
+def test_a_views_mutable_access_bumps_the_version() -> None:
+    # Else a backward through a value saved before the write computes a wrong gradient silently.
+    torch = need("torch")
+    a = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    x = torch.ones(3, dtype=torch.float64)
+    y = (a * x).sum()  # saves x
+    v = x._version
+    dlbridge._dlbridge._view_add(x, 100.0)
+    assert x._version == v + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@hooks
+def test_a_leaf_requiring_grad_is_written_inside_inference_mode_as_torch_allows() -> None:
+    # Autograd records nothing there, even under enable_grad: torch's add_ accepts such a leaf.
+    torch = need("torch")
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with torch.inference_mode(), torch.enable_grad():
+        assert torch.is_grad_enabled()
+        dlbridge._dlbridge._typed_mut_probe(w)
+        w.add_(1.0)
+    with pytest.raises(TypeError, match="requires_grad: a leaf tensor that requires grad"):
+        dlbridge._dlbridge._typed_mut_probe(w)
+
+
+@hooks
+def test_first_use_under_user_modes_runs_none_of_their_code_and_keeps_the_fast_path() -> None:
+    # The one-time search's probes run with the caller's torch function and dispatch modes set
+    # aside: a user's mode sees no probe operation, FakeTensorMode or make_fx do not turn the
+    # probes into fake or traced tensors (which disabled the fast path for good).
+    need("torch")
+    out = _child(
+        """
+import torch, dlbridge._dlbridge as D
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+seen = []
+class F(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+class S(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+x = torch.zeros(3, dtype=torch.float64)
+with F(), S():
+    D._typed_mut_probe(x)
+probe_ops = [s for s in seen if s not in ("__get__",)]
+assert probe_ops == [], probe_ops
+assert D._torch_writes_from_aten() and D._torch_bits_from_aten()
+print("ok")
+"""
+    )
+    assert out.strip() == "ok"
+
+
+@hooks
+def test_a_call_into_dlbridge_during_the_search_does_not_wait_for_itself() -> None:
+    # The search runs Python (its probes); dlbridge called from there (here from a profile hook,
+    # deterministically; a finalizer or another thread in real code) takes the slow path instead
+    # of waiting for the search's own lock (it hung).
+    need("torch")
+    out = _child(
+        """
+import sys, torch, dlbridge._dlbridge as D
+t = torch.ones(2, dtype=torch.float64)
+calls = []
+def hook(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "quiet" and not calls:
+        calls.append(D._view(t))
+sys.setprofile(hook)
+D._typed_mut_probe(torch.zeros(3, dtype=torch.float64))
+sys.setprofile(None)
+assert len(calls) == 1, calls
+print("ok", D._torch_writes_from_aten())
+"""
+    )
+    assert out.strip() == "ok True"

@@ -277,6 +277,15 @@ impl TorchState {
         if !leaf {
             return Ok(());
         }
+        // Inside inference mode autograd records nothing: torch writes such a leaf there, even under
+        // enable_grad.
+        let inference_mode = match bits.and_then(|b| b.inference_mode()) {
+            Some(on) => Ok(on),
+            None => py.import("torch").and_then(|t| t.call_method0("is_inference_mode_enabled")?.is_truthy()),
+        };
+        if inference_mode.unwrap_or(false) {
+            return Ok(());
+        }
         static GRAD_ENABLED: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
         let enabled = GRAD_ENABLED
             .get_or_try_init(py, || py.import("torch")?.getattr("is_grad_enabled").map(Bound::unbind))
@@ -471,7 +480,7 @@ impl ExchangeApi {
         };
         // The producer's deleter (torch's takes the GIL) never runs on a thread without the GIL.
         let mt = super::release::gate_deleter(mt);
-        refuse_lazy_views(obj, mt.dtype(), self.torch_state)?;
+        refuse_lazy_views(obj, Some(mt.dtype()), self.torch_state)?;
         Ok(Ok(mt))
     }
 
@@ -494,6 +503,18 @@ impl ExchangeApi {
         // very table, nanobind through torch.utils.dlpack.to_dlpack), and reading a tensor that
         // requires grad harms nothing; writing into a leaf that does is refused where mutable
         // access is asked for (TorchState::refuse_write).
+        if self.api.dltensor_from_py_object_no_sync.is_none() {
+            return Ok(None);
+        }
+        // The lazy-view checks first: they may run Python (a subclass's methods, a torch function
+        // mode, the first search for ATen's kernels), which may replace the tensor's storage. After
+        // the table's call nothing runs Python until the borrowed description is used.
+        refuse_lazy_views(obj, None, self.torch_state)?;
+        self.dltensor_unchecked(obj)
+    }
+
+    /// The table's borrowed `DLTensor` of `obj`, with no check of dlbridge's (runs no Python).
+    pub(crate) fn dltensor_unchecked(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DLTensor>> {
         let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
         let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
         // SAFETY: a live object of exactly the table's type, the GIL held, a writable DLTensor.
@@ -503,9 +524,7 @@ impl ExchangeApi {
             }));
         }
         // SAFETY: filled by a successful call (and zeroed before it).
-        let t = unsafe { t.assume_init() };
-        refuse_lazy_views(obj, DataType::from(t.dtype), self.torch_state)?;
-        Ok(Some(t))
+        Ok(Some(unsafe { t.assume_init() }))
     }
 }
 
@@ -721,10 +740,15 @@ fn refuse_requires_grad(obj: &Bound<'_, PyAny>, state: &TorchState) -> PyResult<
 /// wrong values. Complex tensors can carry both bits, real ones (`z.conj().imag`) the negative one:
 /// one C call per torch import, a second for complex tensors.
 #[inline]
-fn refuse_lazy_views(obj: &Bound<'_, PyAny>, dtype: DataType, state: Option<&TorchState>) -> PyResult<()> {
+fn refuse_lazy_views(
+    obj: &Bound<'_, PyAny>,
+    dtype: Option<DataType>,
+    state: Option<&TorchState>,
+) -> PyResult<()> {
     let Some(state) = state else { return Ok(()) };
     refuse_negative_bit(obj, state)?;
-    if dtype.code() == crate::dtype::TypeCode::COMPLEX && state.is_conj(obj)? {
+    // (`None`: the dtype is not known yet; the bit is asked whatever it is.)
+    if dtype.is_none_or(|d| d.code() == crate::dtype::TypeCode::COMPLEX) && state.is_conj(obj)? {
         return Err(lazy_view_error("is_conj", "the conjugate bit set", "resolve_conj"));
     }
     Ok(())

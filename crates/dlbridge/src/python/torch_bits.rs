@@ -49,6 +49,7 @@
 //! and inside `torch.inference_mode(False)`.
 
 use std::ffi::{CString, c_char, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -119,19 +120,44 @@ unsafe extern "C" {
 }
 
 static BITS: PyOnceLock<Option<AtenBits>> = PyOnceLock::new();
+/// Set while [`find`] runs. It runs Python (the probes), from which dlbridge may be called again
+/// (a finalizer, a mode, another thread while the probes release the GIL): those calls use the
+/// methods instead of waiting for the lock held by the search that called them.
+static FINDING: AtomicBool = AtomicBool::new(false);
 
 /// The verified kernels, found once per process (`None`: use the methods). Decided the first time
 /// it is asked with torch imported (a duck-typed tensor seen before torch is imported decides
-/// nothing).
+/// nothing); an interrupt during the search decides nothing either (it is raised again).
 #[inline]
 pub(crate) fn aten_bits(py: Python<'_>) -> Option<&'static AtenBits> {
     if let Some(found) = BITS.get(py) {
         return found.as_ref();
     }
-    if !torch_imported(py) {
+    search(py)
+}
+
+#[cold]
+#[inline(never)]
+fn search(py: Python<'_>) -> Option<&'static AtenBits> {
+    if !torch_imported(py) || FINDING.swap(true, Ordering::AcqRel) {
         return None;
     }
-    BITS.get_or_init(py, || find(py).ok().flatten()).as_ref()
+    let found = find(py);
+    FINDING.store(false, Ordering::Release);
+    let found = match found {
+        Ok(found) => found,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => {
+            // Not swallowed: raised again at the interpreter's next check; nothing is decided.
+            // SAFETY: callable with the GIL held; it only flags a pending SIGINT.
+            unsafe { ffi::PyErr_SetInterrupt() };
+            return None;
+        }
+        // Any other failure: the methods, for good (a torch this does not understand).
+        Err(_) => None,
+    };
+    // Only this search sets it (FINDING), so this is the value kept.
+    let _ = BITS.set(py, found);
+    BITS.get(py)?.as_ref()
 }
 
 /// Whether `torch` is in `sys.modules` (dlbridge never imports it for this).
@@ -184,6 +210,16 @@ impl AtenBits {
         // SAFETY: c10's function of this signature (verified against torch.is_grad_enabled()): a
         // read of a thread-local, which cannot throw.
         Some(unsafe { (v.grad_enabled)() })
+    }
+
+    /// Whether inference mode is on in this thread (`torch.is_inference_mode_enabled()`), read
+    /// through c10; `None` when that was not verified.
+    #[inline]
+    pub(crate) fn inference_mode(&self) -> Option<bool> {
+        let v = self.versions.as_ref()?;
+        // SAFETY: c10's function of this signature (verified against
+        // torch.is_inference_mode_enabled()): a read of a thread-local, which cannot throw.
+        Some(unsafe { (v.inference_mode)() })
     }
 
     /// Whether `obj` has no version counter while inference mode is off in this thread (an
@@ -239,40 +275,84 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
         return Ok(None);
     };
     let mut bits = AtenBits { is_neg, is_conj, ty: tensor_type.as_type_ptr() as usize, versions: None };
+    // The probes run with the caller's modes set aside (a TorchFunctionMode, a dispatch mode such
+    // as FakeTensorMode or make_fx's tracer, a default device, inference mode): they are real CPU
+    // tensors, and no user code sees dlbridge's probe operations.
     let globals = pyo3::types::PyDict::new(py);
     globals.set_item("torch", &torch)?;
+    py.run(QUIET, Some(&globals), None)?;
+    let quiet = globals.get_item("quiet")?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err("quiet"))?;
+    let stack = quiet.call1((&torch,))?;
+    let result = probe(py, &torch, &globals, &mut bits, lib);
+    stack.call_method0("close")?;
+    Ok(result?.then_some(bits))
+}
+
+/// Leaves the caller's torch modes for the probes: `quiet(torch)` enters the contexts and returns
+/// the `ExitStack` whose `close()` restores them.
+const QUIET: &std::ffi::CStr = c"import contextlib
+def quiet(torch):
+    stack = contextlib.ExitStack()
+    try:
+        try:
+            from torch.utils._python_dispatch import _disable_current_modes
+        except ImportError:
+            pass
+        else:
+            stack.enter_context(_disable_current_modes())
+        stack.enter_context(torch._C.DisableTorchFunction())
+        stack.enter_context(torch.inference_mode(False))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+";
+
+/// The probes of [`find`], inside its quiet contexts: whether the bits hold (`bits.versions` set
+/// when the write functions hold too).
+fn probe(
+    py: Python<'_>,
+    torch: &Bound<'_, PyAny>,
+    globals: &Bound<'_, pyo3::types::PyDict>,
+    bits: &mut AtenBits,
+    lib: *mut c_void,
+) -> PyResult<bool> {
     let probes = py.eval(
         c"(lambda z, c: [z, torch._neg_view(z), c, c.conj(), c.conj().imag, torch._neg_view(z).detach(), \
            torch.zeros(()), torch.zeros(0, 3), torch.zeros(2, dtype=torch.bfloat16), \
            torch.ones(2, requires_grad=True), torch._neg_view(c.conj())])\
            (torch.arange(3.0), torch.complex(torch.ones(2), torch.ones(2)))",
-        Some(&globals),
+        Some(globals),
         None,
     )?;
     let (mut saw_neg, mut saw_conj, mut saw_plain) = (false, false, false);
     for p in probes.try_iter()? {
         let p = p?;
-        let Some(t) = bits.tensor_of(&p) else { return Ok(None) };
+        let Some(t) = bits.tensor_of(&p) else { return Ok(false) };
         // SAFETY: inside the object (basicsize checked); a pointer-sized field read as such.
         let cdata = unsafe { *t.cast::<usize>() };
         if cdata != p.getattr("_cdata")?.extract::<usize>()? {
-            return Ok(None);
+            return Ok(false);
         }
         let (neg, conj) =
             (p.call_method0("is_neg")?.extract::<bool>()?, p.call_method0("is_conj")?.extract::<bool>()?);
         if bits.is_neg(&p) != Some(neg) || bits.is_conj(&p) != Some(conj) {
-            return Ok(None);
+            return Ok(false);
         }
         saw_neg |= neg;
         saw_conj |= conj;
         saw_plain |= !neg && !conj;
     }
     if !(saw_neg && saw_conj && saw_plain) {
-        return Ok(None);
+        return Ok(false);
     }
-    // A failure there leaves only that part to torch's Python functions.
-    bits.versions = find_versions(py, &torch, &bits, lib).ok().flatten();
-    Ok(Some(bits))
+    // A failure there leaves only that part to torch's Python functions (an interrupt is passed on).
+    bits.versions = match find_versions(py, torch, bits, lib) {
+        Ok(v) => v,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => return Err(e),
+        Err(_) => None,
+    };
+    Ok(true)
 }
 
 /// The version counter, bump, grad and inference mode, checked on probes; `Ok(None)` when anything

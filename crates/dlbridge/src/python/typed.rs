@@ -277,30 +277,29 @@ fn extract_checked<'a>(
     unsafe { TensorView::borrow_checked(&obj, spec) }
 }
 
-/// [`extract_checked`] for writing.
+/// [`extract_checked`] for writing. torch's write rules are read first: their getters may run
+/// Python (a torch function mode, a subclass), which may replace the tensor's storage; nothing
+/// between taking the view and bumping the version runs Python.
 #[inline(never)]
 fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec) -> PyResult<TensorView<'a>> {
+    let torch = super::cache::type_info(&obj.get_type())?.torch;
+    if let Some(state) = torch {
+        // What torch refuses of an in-place write is refused here, at conversion (the argument named).
+        state.refuse_write(&obj)?;
+    }
     // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
     let view = unsafe { TensorView::borrow_checked(&obj, spec) }?;
-    bump_torch_version(&obj)?;
+    if torch.is_some() {
+        bump_version(&obj)?;
+    }
     Ok(view)
 }
 
-/// A torch tensor taken for writing has its version counter bumped, as torch's own in-place
-/// operations do, so autograd refuses a backward pass through a value the kernel overwrote
+/// Bumps a torch tensor's version counter (after `TorchState::refuse_write`), as torch's own
+/// in-place operations do, so autograd refuses a backward pass through a value a kernel overwrote
 /// ("modified by an inplace operation") instead of computing wrong gradients: through ATen's
-/// `bump_version` for exactly `torch.Tensor` ([`super::torch_bits`]), else one call of
-/// `torch._C._increment_version` (~180 ns here); nothing for other types.
-fn bump_torch_version(obj: &Borrowed<'_, '_, PyAny>) -> PyResult<()> {
-    let Some(state) = super::cache::type_info(&obj.get_type())?.torch else { return Ok(()) };
-    // What torch refuses of an in-place write is refused here, at conversion (the argument named).
-    state.refuse_write(obj)?;
-    bump_version(obj)
-}
-
-/// Bumps a torch tensor's version counter (after [`super::exchange`]'s `refuse_write`): through
-/// ATen where verified (exactly torch.Tensor; a tensor without a counter has nothing to bump),
-/// else torch's Python function.
+/// `bump_version` where verified (exactly `torch.Tensor`, [`super::torch_bits`]; a tensor without
+/// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here).
 pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
     let py = obj.py();
     match super::torch_bits::aten_bits(py).map(|b| b.bump_version(obj)) {

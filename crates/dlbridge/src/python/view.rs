@@ -81,23 +81,55 @@ impl TensorView<'_> {
     /// that requires grad is refused while grad mode is on, as torch refuses an in-place write
     /// ([`crate::Error::WriteRefused`]); reading it is fine.
     pub fn as_slice_mut<T: crate::Element>(&mut self) -> crate::Result<crate::SliceMut<'_, T>> {
-        self.check_producer_write_rules()?;
+        self.prepare_producer_write()?;
         self.tensor.as_slice_mut()
     }
 
-    /// The producer's own rules on in-place writes (torch: no write into a leaf that requires
-    /// grad while grad mode is on, nor into an inference tensor outside inference mode); nothing
-    /// to check for other producers.
-    pub(crate) fn check_producer_write_rules(&self) -> crate::Result<()> {
+    /// What a mutable access to a torch tensor's view needs (nothing for other producers):
+    /// - torch's own rules on in-place writes (`TorchState::refuse_write`: no write into a leaf
+    ///   that requires grad while grad mode is on, nor into an inference tensor outside inference
+    ///   mode);
+    /// - the view still describing the tensor's memory: those rules are read through getters that
+    ///   a torch function mode or a subclass may route to Python, which may replace the storage
+    ///   (`x.set_()`, `x.data = ...`); the table's description is read again (no Python) and must
+    ///   be the view's, else the access is refused rather than write freed memory;
+    /// - the version counter bumped, as torch's in-place operations do (so a backward through a
+    ///   value saved before the write fails instead of computing a wrong gradient).
+    fn prepare_producer_write(&self) -> crate::Result<()> {
         let Some((state, py)) = self.torch_attached()? else { return Ok(()) };
-        state.refuse_write(&self.object(py))
-    }
-
-    /// A torch tensor's version counter bumped, as torch's in-place operations do (what a
-    /// `TensorMut` argument does at conversion); nothing for other producers.
-    fn bump_producer_version(&self) -> crate::Result<()> {
-        let Some((_, py)) = self.torch_attached()? else { return Ok(()) };
-        super::typed::bump_version(&self.object(py)).map_err(|e| crate::Error::WriteRefused {
+        let obj = self.object(py);
+        state.refuse_write(&obj)?;
+        let moved = |reason: &str| crate::Error::WriteRefused { field: "data", reason: reason.into() };
+        let api = super::cache::type_info(&obj.get_type())
+            .ok()
+            .and_then(|info| info.exchange)
+            .ok_or_else(|| moved("the tensor's type lost its exchange table"))?;
+        let now = match api.dltensor_unchecked(&obj) {
+            Ok(Some(t)) => t,
+            _ => return Err(moved("the tensor can no longer be described by its exchange table")),
+        };
+        // SAFETY: the table's description, read at once: ndim entries each (checked).
+        let same = match unsafe { crate::managed::dims_of(&now) } {
+            Ok((shape, strides)) => {
+                let view = self.tensor.dl_tensor();
+                now.data == view.data
+                    && now.byte_offset == view.byte_offset
+                    && crate::DataType::from(now.dtype) == self.tensor.dtype()
+                    && shape == self.tensor.shape()
+                    && strides.map_or_else(
+                        || crate::layout::c_strides(shape) == self.tensor.strides(),
+                        |s| s == self.tensor.strides(),
+                    )
+            }
+            Err(_) => false,
+        };
+        if !same {
+            return Err(moved(
+                "the tensor's memory was replaced while torch's write rules were read (by Python code \
+                 they ran: a torch function mode or a subclass); the view no longer describes it",
+            ));
+        }
+        super::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
             field: "_version",
             reason: format!("could not be bumped: {e}"),
         })
@@ -129,7 +161,7 @@ impl TensorView<'_> {
     /// A mutable ndarray view (see [`ManagedTensor::as_array_mut`]).
     #[cfg(feature = "ndarray")]
     pub fn as_array_mut<T: crate::Element>(&mut self) -> crate::Result<crate::ndarray::ArrayGuardMut<'_, T>> {
-        self.check_producer_write_rules()?;
+        self.prepare_producer_write()?;
         self.tensor.as_array_mut()
     }
 }
@@ -185,12 +217,10 @@ impl<'a> TensorView<'a> {
     >(
         self,
     ) -> crate::Result<super::TensorMut<'a, T, S, O, D>> {
-        self.check_producer_write_rules()?;
-        let t = super::TensorMut::new(self)?;
-        // Announced to autograd as a `TensorMut` argument is (after the checks: a refusal bumps
-        // nothing).
-        t.view().bump_producer_version()?;
-        Ok(t)
+        // The stated requirements first: a mismatch bumps nothing.
+        self.check(&super::TensorMut::<'a, T, S, O, D>::SPEC)?;
+        self.prepare_producer_write()?;
+        super::TensorMut::new(self)
     }
 
     /// Borrows `obj` for as long as the reference to it lives: the view cannot outlive the object.
