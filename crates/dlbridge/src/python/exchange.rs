@@ -239,6 +239,7 @@ impl TorchState {
     ///   allows it (that is how optimizers update parameters), and so does this; a non-leaf that
     ///   requires grad may be written, as torch's in-place operations may (the version counter,
     ///   bumped by `TensorMut`, makes a backward through an overwritten saved value fail in torch).
+    ///   Inside inference mode autograd records nothing, and torch writes such a leaf there.
     ///
     /// For exactly `torch.Tensor`, read through ATen and c10 ([`super::torch_bits`]): two calls of
     /// a few instructions, and one getter when grad mode is on and the tensor does not require
