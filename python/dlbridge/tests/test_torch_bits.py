@@ -406,3 +406,59 @@ print("ok", D._torch_writes_from_aten())
 """
     )
     assert out.strip() == "ok True"
+
+
+@hooks
+def test_writes_into_views_follow_torchs_in_place_check() -> None:
+    # torch refuses an in-place write, in grad mode, into a view of a leaf that requires grad and
+    # into a view it cannot rebase (a multi-output view, one made in a custom Function); it writes
+    # a plain view of a non-leaf. dlbridge answers the same for each, before writing.
+    torch = need("torch")
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def cases():
+        a = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        b = a * 2
+        p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+        return {
+            "view of a leaf": a[1:],
+            "Parameter view": p.view(-1),
+            "unbind output": b.view(2, 2).unbind()[0],
+            "split output": b.split(2)[0],
+            "custom Function view": Identity.apply(b),
+            "view of a non-leaf": b[1:],
+            "non-leaf": b,
+        }
+
+    torch_refuses = {}
+    for name, t in cases().items():
+        try:
+            t.add_(1.0)
+            torch_refuses[name] = False
+        except RuntimeError:
+            torch_refuses[name] = True
+    assert torch_refuses == {
+        "view of a leaf": True, "Parameter view": True, "unbind output": True, "split output": True,
+        "custom Function view": True, "view of a non-leaf": False, "non-leaf": False,
+    }, torch_refuses
+    for probe in (dlbridge._dlbridge._typed_mut_probe, dlbridge._dlbridge._typed_mut_of_view,
+                  lambda t: dlbridge._dlbridge._view_add(t, 1.0)):
+        for name, t in cases().items():
+            before = t.detach().clone()
+            if torch_refuses[name]:
+                with pytest.raises(TypeError, match="requires_grad: .* cannot be written in place"):
+                    probe(t)
+                assert torch.equal(t.detach(), before), name  # refused before writing
+            else:
+                probe(t)
+    with torch.no_grad():  # torch writes every one of them there, and so does dlbridge
+        for t in cases().values():
+            dlbridge._dlbridge._typed_mut_probe(t)

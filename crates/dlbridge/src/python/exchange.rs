@@ -269,15 +269,15 @@ impl TorchState {
             return Ok(());
         }
         let refused = |reason: String| crate::Error::WriteRefused { field: "requires_grad", reason };
-        let leaf_requiring_grad = self
-            .requires_grad(obj)
-            .and_then(|rg| Ok(rg && Self::get(self.is_leaf.as_ref(), obj, intern!(py, "is_leaf"))?));
-        // A getter that raises (a torch function mode may run Python there) refuses the write too,
-        // with its own words.
-        let leaf = leaf_requiring_grad.map_err(|e| refused(format!("could not be read: {e}")))?;
-        if !leaf {
-            return Ok(());
-        }
+        // What torch's in-place check refuses of a tensor that requires grad (a leaf; a view whose
+        // base is a leaf; a view torch cannot rebase: a multi-output view, one made in a custom
+        // Function, under no_grad or in inference mode), read only for such a tensor. A getter
+        // that raises (a torch function mode may run Python there) refuses the write too, with
+        // its own words.
+        let why =
+            self.requires_grad(obj).and_then(|rg| if rg { grad_write_refusal(self, obj) } else { Ok(None) });
+        let why = why.map_err(|e| refused(format!("could not be read: {e}")))?;
+        let Some(why) = why else { return Ok(()) };
         // Inside inference mode autograd records nothing: torch writes such a leaf there, even under
         // enable_grad.
         let inference_mode = match bits.and_then(|b| b.inference_mode()) {
@@ -293,11 +293,10 @@ impl TorchState {
             .and_then(|f| f.bind(py).call0()?.is_truthy());
         match enabled {
             Ok(false) => Ok(()),
-            Ok(true) => Err(refused(
-                "a leaf tensor that requires grad cannot be written in place (torch refuses it too); \
-                 write under torch.no_grad(), or pass a tensor that does not require grad"
-                    .into(),
-            )),
+            Ok(true) => Err(refused(format!(
+                "{why} cannot be written in place (torch refuses it too); write under torch.no_grad(), \
+                 or pass a tensor that does not require grad"
+            ))),
             Err(e) => Err(refused(format!("grad mode could not be read: {e}"))),
         }
     }
@@ -1016,4 +1015,30 @@ fn write_refused_without_counter(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         py.import("torch")?.getattr("is_inference_mode_enabled").map(Bound::unbind)
     })?;
     Ok(!mode.bind(py).call0()?.is_truthy()?)
+}
+
+/// Why torch refuses an in-place write into `obj`, a tensor that requires grad, while grad mode
+/// is on (its `check_inplace`): a leaf; a view whose base is a leaf; a view it cannot rebase (its
+/// creation metadata is not `DEFAULT`). `None`: torch writes it (a non-leaf, a plain view of one).
+fn grad_write_refusal(state: &TorchState, obj: &Bound<'_, PyAny>) -> PyResult<Option<&'static str>> {
+    let py = obj.py();
+    if TorchState::get(state.is_leaf.as_ref(), obj, intern!(py, "is_leaf"))? {
+        return Ok(Some("a leaf tensor that requires grad"));
+    }
+    let base = obj.getattr(intern!(py, "_base"))?;
+    if base.is_none() {
+        return Ok(None);
+    }
+    let autograd = py.import("torch")?.getattr("_C")?.getattr("_autograd")?;
+    let meta = autograd.call_method1("_get_creation_meta", (obj,))?;
+    if !meta.eq(autograd.getattr("CreationMeta")?.getattr("DEFAULT")?)? {
+        return Ok(Some(
+            "a view torch cannot rebase (the output of a function returning several views, of a custom \
+             Function, or made under no_grad or inference mode) that requires grad",
+        ));
+    }
+    if base.getattr(intern!(py, "is_leaf"))?.is_truthy()? {
+        return Ok(Some("a view of a leaf tensor that requires grad"));
+    }
+    Ok(None)
 }
