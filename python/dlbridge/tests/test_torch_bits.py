@@ -462,3 +462,40 @@ def test_writes_into_views_follow_torchs_in_place_check() -> None:
     with torch.no_grad():  # torch writes every one of them there, and so does dlbridge
         for t in cases().values():
             dlbridge._dlbridge._typed_mut_probe(t)
+
+
+@hooks
+def test_a_tensor_cleared_by_the_gc_is_refused_not_aborted() -> None:
+    # A finalizer of a cyclic collection can reach a torch.Tensor the GC has already cleared (its
+    # cdata is the undefined tensor). ATen's functions throw a C++ exception on it, which crossing
+    # into Rust aborts the process (the write rules are read before the view, which would refuse
+    # it): they are never called on an undefined tensor.
+    need("torch")
+    out = _child(
+        """
+import gc, weakref, torch, dlbridge._dlbridge as D
+D._typed_mut_probe(torch.zeros(3, dtype=torch.float64))
+seen = []
+class N:
+    def __del__(self):
+        t = self.wr()
+        if t is None:
+            return
+        for f in (D._typed_mut_probe, D._view, D._typed_mut_of_view):
+            try:
+                f(t)
+                seen.append("accepted")
+            except BaseException as e:
+                seen.append(type(e).__name__)
+class B:
+    def __del__(self):
+        n = N(); n.wr = weakref.ref(self.t); self.n = n
+def make():
+    t = torch.zeros(3, dtype=torch.float64); t.me = t
+    b = B(); b.n = None; b.t = t; b.me = b
+make()
+gc.collect()
+print(seen)
+"""
+    )
+    assert out.strip() in ("[]", "['BufferError', 'BufferError', 'BufferError']"), out

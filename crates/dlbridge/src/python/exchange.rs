@@ -513,8 +513,12 @@ impl ExchangeApi {
         self.dltensor_unchecked(obj)
     }
 
-    /// The table's borrowed `DLTensor` of `obj`, with no check of dlbridge's (runs no Python).
+    /// The table's borrowed `DLTensor` of `obj`, with no check of dlbridge's but the type's (runs
+    /// no Python).
     pub(crate) fn dltensor_unchecked(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DLTensor>> {
+        if !self.serves(obj) {
+            return Err(Self::wrong_type(obj));
+        }
         let Some(f) = self.api.dltensor_from_py_object_no_sync else { return Ok(None) };
         let mut t = std::mem::MaybeUninit::<DLTensor>::zeroed();
         // SAFETY: a live object of exactly the table's type, the GIL held, a writable DLTensor.

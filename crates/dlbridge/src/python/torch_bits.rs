@@ -73,6 +73,11 @@ pub(crate) struct AtenBits {
     is_conj: BitFn,
     /// The address of `torch.Tensor` (kept alive by the torch module, never unloaded).
     ty: usize,
+    /// The address of `c10::UndefinedTensorImpl::_singleton`: the `TensorImpl` of an undefined
+    /// tensor, which a `THPVariable` holds once the cyclic GC has cleared it (`THPVariable_clear`;
+    /// a finalizer of the same collection may still reach it). ATen's functions are never called
+    /// on it (`version_counter` throws a C++ exception there).
+    undefined: usize,
     /// The version counter and grad mode, when found and verified (else torch's Python functions).
     versions: Option<Versions>,
 }
@@ -171,19 +176,28 @@ fn torch_imported(py: Python<'_>) -> bool {
 impl AtenBits {
     /// The pointer to `obj`'s `at::Tensor`, if `obj` is exactly of the verified type.
     #[inline]
+    /// `None` too for an undefined tensor (cleared by the GC): its methods are asked instead, and
+    /// say so.
     fn tensor_of(&self, obj: &Bound<'_, PyAny>) -> Option<*const c_void> {
-        (obj.get_type_ptr() as usize == self.ty)
-            // SAFETY: an instance of exactly the verified type is at least `tp_basicsize` long
-            // (checked to cover cdata), so the offset stays inside the object.
-            .then(|| unsafe { obj.as_ptr().cast::<u8>().add(CDATA_OFFSET).cast::<c_void>().cast_const() })
+        if obj.get_type_ptr() as usize != self.ty {
+            return None;
+        }
+        // SAFETY: an instance of exactly the verified type is at least `tp_basicsize` long
+        // (checked to cover cdata), so the offset stays inside the object; its first word is the
+        // `TensorImpl` pointer (checked against `_cdata` on probes), read as the pointer-sized
+        // field it is while the GIL is held.
+        let t = unsafe { obj.as_ptr().cast::<u8>().add(CDATA_OFFSET).cast::<c_void>().cast_const() };
+        // SAFETY: as above.
+        let impl_ = unsafe { *t.cast::<usize>() };
+        (impl_ != self.undefined).then_some(t)
     }
 
     /// `obj.is_neg()` read through ATen, or `None` when `obj` is not exactly `torch.Tensor`.
     #[inline]
     pub(crate) fn is_neg(&self, obj: &Bound<'_, PyAny>) -> Option<bool> {
         let t = self.tensor_of(obj)?;
-        // SAFETY: `t` points to the live object's `at::Tensor` (a defined tensor: every
-        // THPVariable holds one), the GIL is held (`obj` is bound to it), and the function is
+        // SAFETY: `t` points to the live object's `at::Tensor`, a defined one (`tensor_of` refuses
+        // the undefined tensor of a cleared object), the GIL is held (`obj` is bound to it), and the function is
         // ATen's native kernel of that signature (verified against the method on probes).
         Some(unsafe { (self.is_neg)(t) })
     }
@@ -274,7 +288,19 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
     else {
         return Ok(None);
     };
-    let mut bits = AtenBits { is_neg, is_conj, ty: tensor_type.as_type_ptr() as usize, versions: None };
+    // SAFETY: a handle from dlopen and a NUL-terminated name (c10's data symbol, found through
+    // libtorch_cpu's dependencies); only its address is used, never dereferenced.
+    let undefined = unsafe { dlsym(lib, c"_ZN3c1019UndefinedTensorImpl10_singletonE".as_ptr()) };
+    if undefined.is_null() {
+        return Ok(None);
+    }
+    let mut bits = AtenBits {
+        is_neg,
+        is_conj,
+        ty: tensor_type.as_type_ptr() as usize,
+        undefined: undefined as usize,
+        versions: None,
+    };
     // The probes run with the caller's modes set aside (a TorchFunctionMode, a dispatch mode such
     // as FakeTensorMode or make_fx's tracer, a default device, inference mode): they are real CPU
     // tensors, and no user code sees dlbridge's probe operations.
