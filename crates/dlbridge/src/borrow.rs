@@ -13,10 +13,9 @@
 //! `a[1::2]`) conflict although their elements do not: conservative, never unsound.
 //!
 //! The registry is process-wide. Each extension module that embeds dlbridge has its own copy of
-//! this crate, so the Python layer shares one registry between them: the first to initialise
-//! publishes its table (a versioned C ABI, [`RegistryApi`]) as a capsule on the `sys` module and
-//! every later one uses that table (see `python::init_module`). Rust programs without Python use
-//! the crate's own.
+//! this crate, and all of them use the registry of the copy the process loaded first (its table,
+//! a versioned C ABI, [`RegistryApi`], found through [`crate::process_wide`] before the first
+//! lease). Rust programs without Python use the crate's own.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -59,21 +58,19 @@
 //! ```
 
 use std::ffi::c_int;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicPtr, Ordering};
 
 use crate::error::{Error, Result};
+use crate::fork::ForkSafeMutex;
 
-/// The registry's C ABI, shared between extension modules that each embed a copy of dlbridge.
-/// A new layout gets a new `version` (and a new capsule name); a table of another version is never
-/// used.
+/// The registry's C ABI, shared between the copies of dlbridge in one process (each Python extension
+/// module embeds one; see [`crate::process_wide`]). A new layout gets a new `version`; a table of
+/// another version is never used.
 #[repr(C)]
 pub struct RegistryApi {
     /// [`RegistryApi::VERSION`].
     pub version: u64,
-    /// Registers `[lo, hi)`: returns 0 on success, 1 when it conflicts with a live lease, 2 when
-    /// the caller should ask its active registry again (this copy just joined another's); nothing
-    /// is registered unless it returns 0.
+    /// Registers `[lo, hi)`: returns 0 on success, 1 when it conflicts with a live lease (then
+    /// nothing is registered).
     pub acquire: unsafe extern "C" fn(lo: usize, hi: usize, exclusive: c_int) -> c_int,
     /// Removes one lease registered with exactly these arguments.
     pub release: unsafe extern "C" fn(lo: usize, hi: usize, exclusive: c_int),
@@ -94,24 +91,17 @@ struct Entry {
 
 /// The live leases of the crate's own registry. Few are live at once (one per guard), so a
 /// vector scanned under a mutex beats any tree; it keeps its capacity, so steady state allocates
-/// nothing. The lock is held while calling out only in [`use_shared`], into the registry of the
-/// copy that published it, which never switches and so never calls back into this one: locks are
-/// always taken own-then-shared, so they cannot deadlock.
-static LEASES: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+/// nothing. The lock is never held while calling out.
+/// A forked child finds it unlocked ([`crate::fork`]).
+static LEASES: ForkSafeMutex<Vec<Entry>> = ForkSafeMutex::new(Vec::new());
 
 fn leases() -> std::sync::MutexGuard<'static, Vec<Entry>> {
-    // Nothing panics while the lock is held; a poisoned lock still holds consistent data.
-    LEASES.lock().unwrap_or_else(|e| e.into_inner())
+    LEASES.lock()
 }
 
 unsafe extern "C" fn local_acquire(lo: usize, hi: usize, exclusive: c_int) -> c_int {
     let exclusive = exclusive != 0;
     let mut l = leases();
-    // This copy switched to another registry after the caller read `ACTIVE` (the switch happens
-    // under this lock): register there instead, so no lease lands in a registry nobody checks.
-    if switched().is_some() {
-        return 2;
-    }
     if l.iter().any(|e| e.lo < hi && lo < e.hi && (exclusive || e.exclusive)) {
         return 1;
     }
@@ -121,82 +111,20 @@ unsafe extern "C" fn local_acquire(lo: usize, hi: usize, exclusive: c_int) -> c_
 
 unsafe extern "C" fn local_release(lo: usize, hi: usize, exclusive: c_int) {
     let want = Entry { lo, hi, exclusive: exclusive != 0 };
-    let (removed, shared) = {
-        let mut l = leases();
-        let removed = l.iter().rposition(|e| *e == want).map(|i| l.swap_remove(i)).is_some();
-        // Read under the lock: `use_shared` switches under it, so a switch seen here happened
-        // while this lease was live, and it was copied into the shared registry then.
-        (removed, switched())
-    };
-    if let (true, Some(api)) = (removed, shared) {
-        // SAFETY: the table `use_shared` was promised; the lease it holds for this one.
-        unsafe { (api.release)(lo, hi, exclusive) }
+    let mut l = leases();
+    if let Some(i) = l.iter().rposition(|e| *e == want) {
+        l.swap_remove(i);
     }
 }
 
-/// The other copy's registry this one joined, if it has.
-fn switched() -> Option<&'static RegistryApi> {
-    let active = ACTIVE.load(Ordering::Acquire);
-    if active.is_null() || std::ptr::eq(active, &LOCAL) {
-        None
-    } else {
-        // SAFETY: only `use_shared` stores here, and it stores a process-lifetime table.
-        Some(unsafe { &*active })
-    }
-}
-
-/// This copy of the crate's own registry.
+/// This copy of the crate's own registry (the process's, when this copy was loaded first).
 pub static LOCAL: RegistryApi =
     RegistryApi { version: RegistryApi::VERSION, acquire: local_acquire, release: local_release };
 
-/// The registry in use: [`LOCAL`] until [`use_shared`] points it at another module's.
-static ACTIVE: AtomicPtr<RegistryApi> = AtomicPtr::new(std::ptr::null_mut());
-
+/// The registry every lease of this copy goes to: the process's (see the module docs).
+#[inline]
 fn active() -> &'static RegistryApi {
-    let p = ACTIVE.load(Ordering::Acquire);
-    if p.is_null() {
-        &LOCAL
-    } else {
-        // SAFETY: only `use_shared` stores here, and it stores a process-lifetime table.
-        unsafe { &*p }
-    }
-}
-
-/// Makes this copy of the crate register its leases in `api` from now on; returns whether it
-/// switched. Leases live in the own registry are copied into `api` first (each is then released in
-/// both, see `local_release`), so every lease of this copy is checked against the shared ones from
-/// the switch on; if one conflicts there, nothing is copied and the copy stays on its own registry.
-/// It all happens under the own registry's lock, so no lease can slip in or out meanwhile.
-///
-/// # Safety
-///
-/// `api` is a table of [`RegistryApi::VERSION`] whose functions behave as documented and live for
-/// the rest of the process (another copy of this crate's [`LOCAL`]).
-pub unsafe fn use_shared(api: &'static RegistryApi) -> bool {
-    if std::ptr::eq(api, &LOCAL) {
-        // Our own table (published by this copy): nothing to join.
-        return true;
-    }
-    let l = leases();
-    let mut copied = 0;
-    for e in l.iter() {
-        // SAFETY: the caller's promise about `api`; a different registry (checked above), so its
-        // lock is not the one held here.
-        if unsafe { (api.acquire)(e.lo, e.hi, c_int::from(e.exclusive)) } != 0 {
-            break;
-        }
-        copied += 1;
-    }
-    if copied < l.len() {
-        for e in &l[..copied] {
-            // SAFETY: as above; releasing exactly what was just registered.
-            unsafe { (api.release)(e.lo, e.hi, c_int::from(e.exclusive)) }
-        }
-        return false;
-    }
-    ACTIVE.store(std::ptr::from_ref(api).cast_mut(), Ordering::Release);
-    drop(l);
-    true
+    crate::process_wide::tables().borrow
 }
 
 /// A registered byte range; released on drop. Holding one is what makes a typed slice or view of
@@ -220,22 +148,13 @@ impl Lease {
     /// Registers the byte range `[lo, hi)`, shared or exclusive. An empty range registers nothing
     /// and always succeeds (no memory is reached).
     pub(crate) fn acquire(lo: usize, hi: usize, exclusive: bool) -> Result<Self> {
-        // A copy embedded in a Python extension joins the process's shared registry the first
-        // time it runs with the GIL (every entry point from Python also does).
-        #[cfg(feature = "python")]
-        crate::python::join_if_attached();
-        loop {
-            let api = active();
-            if lo < hi {
-                // SAFETY: a table of the expected version (LOCAL, or one `use_shared` was promised).
-                match unsafe { (api.acquire)(lo, hi, c_int::from(exclusive)) } {
-                    0 => {}
-                    2 => continue,
-                    _ => return Err(Error::AlreadyBorrowed { start: lo, end: hi, exclusive }),
-                }
-            }
-            return Ok(Self { api, lo, hi, exclusive });
+        let api = active();
+        // SAFETY: a registry table of the expected version, live for the process (checked by
+        // `process_wide::tables`).
+        if lo < hi && unsafe { (api.acquire)(lo, hi, c_int::from(exclusive)) } != 0 {
+            return Err(Error::AlreadyBorrowed { start: lo, end: hi, exclusive });
         }
+        Ok(Self { api, lo, hi, exclusive })
     }
 }
 
@@ -272,49 +191,6 @@ mod tests {
         let _next = Lease::acquire(b + 21, b + 22, true).unwrap();
         drop((r1, w));
         let _all = Lease::acquire(b, b + 21, true).unwrap();
-    }
-
-    /// Another copy's registry, as a second extension module would publish it.
-    static OTHER: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
-
-    unsafe extern "C" fn other_acquire(lo: usize, hi: usize, exclusive: c_int) -> c_int {
-        let exclusive = exclusive != 0;
-        let mut l = OTHER.lock().unwrap();
-        if l.iter().any(|e| e.lo < hi && lo < e.hi && (exclusive || e.exclusive)) {
-            return 1;
-        }
-        l.push(Entry { lo, hi, exclusive });
-        0
-    }
-
-    unsafe extern "C" fn other_release(lo: usize, hi: usize, exclusive: c_int) {
-        let want = Entry { lo, hi, exclusive: exclusive != 0 };
-        let mut l = OTHER.lock().unwrap();
-        if let Some(i) = l.iter().rposition(|e| *e == want) {
-            l.swap_remove(i);
-        }
-    }
-
-    static OTHER_API: RegistryApi =
-        RegistryApi { version: RegistryApi::VERSION, acquire: other_acquire, release: other_release };
-
-    #[test]
-    fn joining_another_registry_carries_live_leases_over() {
-        let b = BASE + 8192;
-        // Held in this copy's own registry before it joins (other tests may hold some too).
-        let held = Lease::acquire(b, b + 8, true).unwrap();
-        // Another copy already holds a lease elsewhere.
-        // SAFETY: a live table of this version.
-        assert_eq!(unsafe { other_acquire(b + 100, b + 108, 1) }, 0);
-        // SAFETY: a process-lifetime table of this version that behaves as documented.
-        assert!(unsafe { use_shared(&OTHER_API) });
-        // The carried-over lease conflicts with new ones, now checked in the shared registry...
-        assert!(Lease::acquire(b + 4, b + 5, false).is_err());
-        assert!(Lease::acquire(b + 100, b + 101, false).is_err());
-        // ...and releasing it frees it in both.
-        drop(held);
-        assert!(OTHER.lock().unwrap().iter().all(|e| e.lo != b));
-        let _again = Lease::acquire(b, b + 8, true).unwrap();
     }
 
     #[test]

@@ -52,11 +52,13 @@ pub mod error;
 pub mod export;
 pub mod ffi;
 pub mod flags;
+mod fork;
 pub mod interface;
 pub mod layout;
 pub mod managed;
 #[cfg(feature = "ndarray")]
 pub mod ndarray;
+pub mod process_wide;
 #[cfg(feature = "python")]
 pub mod python;
 #[cfg(all(feature = "shm", target_os = "linux"))]

@@ -107,12 +107,44 @@ def test_no_extension_writes_what_another_is_reading() -> None:
     assert dlbridge_scale.while_reading(a, lambda: 7) == 7
 
 
-def test_the_registry_is_shared_through_one_capsule() -> None:
-    dlbridge_scale = _second_extension()
+SYS_ATTACK = """
+import sys
+import numpy as np
+import dlbridge
+dlbridge.asdlpack(b"x")  # dlbridge's module has run an entry point
+ATTACK
+import dlbridge_scale   # a second copy of the crate, first run after the attack
+a = np.zeros(4)
+try:
+    dlbridge_scale.while_reading(a, lambda: dlbridge._dlbridge._view_add(a, 1.0))
+except BufferError as e:
+    assert "already borrowed" in str(e), e
+    print("refused", a.tolist())
+else:
+    print("written", a.tolist())
+"""
 
-    dlbridge_scale.total(dlbridge.asdlpack(memoryview(bytes(8)).cast("d")))  # both modules have run
-    cap = sys._dlbridge_borrow_registry_v1
-    assert "dlbridge.borrow_registry.v1" in repr(cap)
+
+@hooks
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "sys._dlbridge_borrow_registry_v1 = object()",
+        "sys.__dict__.pop('_dlbridge_borrow_registry_v1', None)",
+        "import types; sys._dlbridge_borrow_registry_v1 = types.SimpleNamespace()",
+    ],
+)
+def test_no_write_lands_under_another_copys_slice_whatever_user_code_does_to_sys(attack: str) -> None:
+    # The copies of the crate used to find one registry through a capsule on `sys`: replacing or
+    # deleting it before a second copy's first run split the registry, and extension A wrote under
+    # a live slice of extension B. The registry is found through the loaded objects now.
+    need("numpy")
+    _second_extension()
+    out = subprocess.run(
+        [sys.executable, "-c", SYS_ATTACK.replace("ATTACK", attack)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "refused [0.0, 0.0, 0.0, 0.0]", out.stdout + out.stderr[-2000:]
 
 
 def test_read_only_survives_a_second_extension() -> None:

@@ -156,7 +156,7 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     shared::add(m)?;
     #[cfg(feature = "test-hooks")]
     test_hooks::add(m)?;
-    share_borrow_registry(py);
+    join_process(py);
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
         m.add(t.to_string().as_str(), PyDType(t))?;
@@ -164,20 +164,15 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The name of the capsule (an attribute of the `sys` module) through which every extension
-/// module embedding dlbridge in one process shares one borrow registry; versioned with the
-/// table's layout.
-const BORROW_REGISTRY_ATTR: &str = "_dlbridge_borrow_registry_v1";
-const BORROW_REGISTRY_CAPSULE: &std::ffi::CStr = c"dlbridge.borrow_registry.v1";
-
-/// Whether this copy of the crate has joined the process: the shared borrow registry, and the
-/// `atexit` hook that stops deferred releases before the interpreter is torn down.
+/// Whether this copy of the crate has joined the process: registered the `atexit` hook that stops
+/// deferred releases before the interpreter is torn down. (The borrow registry needs no joining:
+/// every copy finds the process's through `crate::process_wide`.)
 static JOINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Joins the process (see [`JOINED`]) once: every entry point from Python calls it (one relaxed load
 /// after the first time), so a downstream extension that never calls [`init_module`] joins too.
 #[inline]
-pub(crate) fn share_borrow_registry(py: Python<'_>) {
+pub(crate) fn join_process(py: Python<'_>) {
     if !JOINED.load(std::sync::atomic::Ordering::Relaxed) {
         join(py);
     }
@@ -188,66 +183,14 @@ pub(crate) fn share_borrow_registry(py: Python<'_>) {
 #[inline]
 pub(crate) fn enter(py: Python<'_>) {
     release::drain_queued(py);
-    share_borrow_registry(py);
-}
-
-/// [`share_borrow_registry`] when this thread holds the GIL (typed access may run without it).
-#[inline]
-pub(crate) fn join_if_attached() {
-    if !JOINED.load(std::sync::atomic::Ordering::Relaxed) && release::attached_here() {
-        // SAFETY: this thread holds the GIL (checked), for the duration of the call.
-        join(unsafe { Python::assume_attached() });
-    }
+    join_process(py);
 }
 
 #[cold]
 fn join(py: Python<'_>) {
-    // Under the GIL, so two threads of this module never race here.
-    if !release::register_atexit(py) {
-        return;
+    // Under the GIL, so two threads of this module never race here; not joined until the hook is
+    // registered (then the caller tries again at its next entry).
+    if release::register_atexit(py) {
+        JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
     }
-    match try_join_borrow_registry(py) {
-        Ok(true) => JOINED.store(true, std::sync::atomic::Ordering::Relaxed),
-        // A lease of this copy conflicts with one in the shared registry (the two already alias):
-        // nothing was joined; try again at a later entry.
-        Ok(false) => {}
-        Err(e) => {
-            // A foreign object under the name: keep the crate's own registry (sound within this
-            // module) and say so once.
-            e.write_unraisable(py, None);
-            JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-}
-
-/// Ok(true): joined (or published); Ok(false): not yet (own leases live).
-fn try_join_borrow_registry(py: Python<'_>) -> PyResult<bool> {
-    use pyo3::ffi;
-    let sys = py.import("sys")?;
-    if let Some(cap) = sys.getattr_opt(BORROW_REGISTRY_ATTR)? {
-        // SAFETY: IsValid checks the object is a capsule with exactly this name; sets no error.
-        if unsafe { ffi::PyCapsule_IsValid(cap.as_ptr(), BORROW_REGISTRY_CAPSULE.as_ptr()) } == 1 {
-            // SAFETY: valid under this name.
-            let p = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), BORROW_REGISTRY_CAPSULE.as_ptr()) };
-            // SAFETY: a capsule of this versioned name is only made below, over another copy's
-            // static `LOCAL` table (extension modules are never unloaded).
-            let api: &'static crate::borrow::RegistryApi = unsafe { &*p.cast() };
-            if api.version == crate::borrow::RegistryApi::VERSION {
-                // SAFETY: as above: a live table of this version for the rest of the process.
-                return Ok(unsafe { crate::borrow::use_shared(api) });
-            }
-        }
-        return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
-            "dlbridge: sys.{BORROW_REGISTRY_ATTR} is not a dlbridge borrow registry of version {}; \
-             this module keeps its own",
-            crate::borrow::RegistryApi::VERSION
-        )));
-    }
-    let p = std::ptr::NonNull::from(&crate::borrow::LOCAL);
-    // SAFETY: a static table, a static name, no destructor (nothing to free).
-    let cap = unsafe { ffi::PyCapsule_New(p.as_ptr().cast(), BORROW_REGISTRY_CAPSULE.as_ptr(), None) };
-    // SAFETY: a new reference or NULL with an exception set.
-    let cap = unsafe { Bound::from_owned_ptr_or_err(py, cap) }?;
-    sys.setattr(BORROW_REGISTRY_ATTR, cap)?;
-    Ok(true)
 }

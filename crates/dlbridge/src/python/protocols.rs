@@ -41,7 +41,7 @@ impl PyOwner {
     /// Owns a reference to `obj`.
     pub fn new(obj: &Bound<'_, PyAny>) -> Self {
         // Registers the atexit hook that keeps a late release off a finalizing interpreter.
-        super::share_borrow_registry(obj.py());
+        super::join_process(obj.py());
         // SAFETY: a live object's pointer, never NULL.
         Self(unsafe { NonNull::new_unchecked(obj.clone().into_ptr()) })
     }

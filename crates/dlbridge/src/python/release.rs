@@ -15,12 +15,12 @@
 use std::ffi::{c_int, c_void};
 use std::mem::MaybeUninit;
 use std::ptr::NonNull;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::fork::ForkSafeMutex;
 use crate::managed::{ManagedTensor, PendingDeleter};
 
 /// Something to release with the GIL.
@@ -57,7 +57,8 @@ impl Pending {
 /// Queued releases, and whether the interpreter has begun finalizing (set by an `atexit` hook
 /// under this lock): from then on nothing is queued or scheduled, so `Py_AddPendingCall` is never
 /// called on an interpreter being torn down.
-static QUEUE: Mutex<Queue> = Mutex::new(Queue { items: Vec::new(), finalizing: false });
+/// A forked child finds it unlocked ([`crate::fork`]): a native thread may hold it at any time.
+static QUEUE: ForkSafeMutex<Queue> = ForkSafeMutex::new(Queue { items: Vec::new(), finalizing: false });
 
 struct Queue {
     items: Vec<Pending>,
@@ -65,8 +66,7 @@ struct Queue {
 }
 
 fn queue() -> std::sync::MutexGuard<'static, Queue> {
-    // Nothing panics while the lock is held; a poisoned lock still holds consistent data.
-    QUEUE.lock().unwrap_or_else(|e| e.into_inner())
+    QUEUE.lock()
 }
 /// Whether the queue may be non-empty (checked without the lock on every entry point).
 static QUEUED: AtomicBool = AtomicBool::new(false);
@@ -213,7 +213,7 @@ unsafe impl Sync for HeldBuffer {}
 impl HeldBuffer {
     /// `PyObject_GetBuffer(obj, flags)` into a new heap view; the exporter's error on failure.
     pub(crate) fn get(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<Self> {
-        super::share_borrow_registry(obj.py());
+        super::join_process(obj.py());
         let view = Box::into_raw(Box::new(MaybeUninit::<ffi::Py_buffer>::zeroed())).cast::<ffi::Py_buffer>();
         // SAFETY: a zeroed view for the exporter to fill, at its final address.
         if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view, flags) } != 0 {

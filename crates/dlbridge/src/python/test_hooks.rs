@@ -10,6 +10,7 @@ use super::view::TensorView;
 /// Adds the hooks to `m`.
 pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_drop_on_native_thread, m)?)?;
+    m.add_function(wrap_pyfunction!(_drop_many_on_native_thread, m)?)?;
     m.add_function(wrap_pyfunction!(_drop_while_caller_holds_the_gil, m)?)?;
     m.add_function(wrap_pyfunction!(_drop_on_worker, m)?)?;
     m.add_function(wrap_pyfunction!(_cuda_driver_available, m)?)?;
@@ -114,6 +115,17 @@ fn _drop_on_native_thread(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> 
     let t = from_dlpack_with(x, &ImportOptions::default())?;
     py.detach(move || std::thread::spawn(move || drop(t)).join())
         .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the native thread panicked"))
+}
+
+/// Test hook: imports `x` `n` times, then drops the tensors one after another on a new native
+/// thread that never holds the GIL, and returns at once (the thread is not joined): each drop
+/// queues its release under the deferred-release lock, so a fork meanwhile may find it held.
+#[pyfunction]
+fn _drop_many_on_native_thread(x: &Bound<'_, PyAny>, n: usize) -> PyResult<()> {
+    let tensors =
+        (0..n).map(|_| from_dlpack_with(x, &ImportOptions::default())).collect::<PyResult<Vec<_>>>()?;
+    std::thread::spawn(move || tensors.into_iter().for_each(drop));
+    Ok(())
 }
 
 /// Test hook: a buffer exporter that reports whatever metadata it is given (shape, strides,

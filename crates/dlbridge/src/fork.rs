@@ -1,0 +1,192 @@
+//! Locks that survive `fork()`.
+//!
+//! A forked child has one thread: the one that called `fork`. A lock another thread held at that
+//! moment stays locked in the child forever, and the child's first use of it hangs (torch's
+//! `DataLoader` and `multiprocessing` fork by default, while native threads may be dropping
+//! tensors or holding leases). So every lock of the crate that a thread may hold without the GIL
+//! is a [`ForkSafeMutex`]: the forking thread takes it just before `fork` and lets it go just after,
+//! in the parent and in the child (`pthread_atfork`), so the child starts with it free and its
+//! data consistent.
+//!
+//! Each lock joins the list the handlers take at its first use. The handlers take the list's own
+//! lock first, then every lock in the order they joined, so code must never hold two of these
+//! locks at once (none does: each is held for a few instructions, never while calling code that
+//! could take another), nor call `fork` while holding one.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// A mutex the fork handlers hold across `fork` (see the module docs). A poisoned lock is used as
+/// is: nothing panics while holding one of these.
+pub(crate) struct ForkSafeMutex<T> {
+    mutex: Mutex<T>,
+    /// Whether it is on the handlers' list (set under the list's lock).
+    guarded: AtomicBool,
+}
+
+impl<T: Send + 'static> ForkSafeMutex<T> {
+    /// A new, unlocked mutex.
+    pub(crate) const fn new(value: T) -> Self {
+        Self { mutex: Mutex::new(value), guarded: AtomicBool::new(false) }
+    }
+
+    /// Locks it (the first time, after putting it on the handlers' list).
+    #[inline]
+    pub(crate) fn lock(&'static self) -> MutexGuard<'static, T> {
+        if !self.guarded.load(Ordering::Acquire) {
+            self.guard();
+        }
+        self.mutex.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    #[cold]
+    fn guard(&'static self) {
+        install_handlers();
+        let mut list = guarded();
+        // Checked again under the list's lock (which the handlers hold across a fork), so the
+        // flag and the list agree in the child too.
+        if !self.guarded.load(Ordering::Relaxed) {
+            list.push(&self.mutex);
+            self.guarded.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// A lock the fork handlers hold across `fork`.
+trait Hold: Sync {
+    /// Locks it and returns the guard, boxed.
+    fn hold(&'static self) -> Box<dyn Any>;
+}
+
+impl<T: Send + 'static> Hold for Mutex<T> {
+    fn hold(&'static self) -> Box<dyn Any> {
+        Box::new(self.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The locks the handlers take, in the order they joined.
+static GUARDED: Mutex<Vec<&'static dyn Hold>> = Mutex::new(Vec::new());
+
+fn guarded() -> MutexGuard<'static, Vec<&'static dyn Hold>> {
+    GUARDED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+thread_local! {
+    /// The guards the forking thread holds between the handlers (all three run on the thread that
+    /// calls `fork`), the list's own guard first.
+    static HELD: RefCell<Vec<Box<dyn Any>>> = const { RefCell::new(Vec::new()) };
+}
+
+extern "C" fn before_fork() {
+    let list = guarded();
+    let mut guards: Vec<Box<dyn Any>> = Vec::with_capacity(list.len() + 1);
+    let locks: Vec<&'static dyn Hold> = list.clone();
+    guards.push(Box::new(list));
+    for lock in locks {
+        guards.push(lock.hold());
+    }
+    HELD.with(|held| *held.borrow_mut() = guards);
+}
+
+extern "C" fn after_fork() {
+    // In the parent and in the child alike: let go in the reverse order.
+    let mut guards = HELD.with(|held| std::mem::take(&mut *held.borrow_mut()));
+    while let Some(guard) = guards.pop() {
+        drop(guard);
+    }
+}
+
+/// Installs this copy's fork handlers, once. Never called with one of the locks held: glibc runs
+/// the handlers under its own lock, which `pthread_atfork` takes too.
+fn install_handlers() {
+    // 0: not installed, 1: being installed (by another thread: go on; a lock used meanwhile is on
+    // the list before any fork that could find it held runs the handlers, or the handlers are not
+    // installed yet and nothing is guarded), 2: installed. Not a `Once`: a fork while another
+    // thread ran it would leave a `Once` running forever in the child.
+    static STATE: AtomicU8 = AtomicU8::new(0);
+    if STATE.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        return;
+    }
+    #[cfg(all(unix, not(miri)))]
+    {
+        unsafe extern "C" {
+            fn pthread_atfork(
+                prepare: Option<extern "C" fn()>,
+                parent: Option<extern "C" fn()>,
+                child: Option<extern "C" fn()>,
+            ) -> std::ffi::c_int;
+        }
+        // SAFETY: three plain functions that live for the process (a copy of the crate is never
+        // unloaded). Only ENOMEM can fail it; forks then stay unguarded, as before.
+        unsafe { pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+    }
+    STATE.store(2, Ordering::Release);
+}
+
+#[cfg(all(test, unix, not(miri)))]
+mod tests {
+    use super::*;
+
+    static LOCK: ForkSafeMutex<u32> = ForkSafeMutex::new(0);
+
+    #[test]
+    fn a_child_forked_while_another_thread_holds_the_lock_can_take_it() {
+        *LOCK.lock() += 1;
+        let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let mut g = LOCK.lock();
+            *g += 1;
+            locked_tx.send(()).unwrap();
+            // Keep it until the parent has called fork (fork waits for it in the handler).
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(g);
+            let _ = done_rx.recv();
+        });
+        locked_rx.recv().unwrap();
+        // SAFETY: the child only takes the lock, reads it and exits (no allocation needed).
+        let pid = unsafe { libc_fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let v = *LOCK.lock();
+            // SAFETY: leaves the child at once, running no destructors.
+            unsafe { libc_exit(if v == 2 { 0 } else { 3 }) };
+        }
+        done_tx.send(()).unwrap();
+        holder.join().unwrap();
+        let mut status = 0;
+        // A hung child would hang the test: wait at most ~10 s.
+        let mut waited = 0;
+        loop {
+            // SAFETY: our own child; WNOHANG.
+            let r = unsafe { libc_waitpid(pid, &mut status, 1) };
+            if r == pid {
+                break;
+            }
+            if waited == 1000 {
+                // SAFETY: our own child, killed and reaped so no hung process outlives the test.
+                unsafe {
+                    libc_kill(pid, 9);
+                    libc_waitpid(pid, &mut status, 0);
+                }
+                panic!("the forked child hung on the lock");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            waited += 1;
+        }
+        assert_eq!(status, 0, "the child saw the lock's data inconsistent (status {status:#x})");
+    }
+
+    unsafe extern "C" {
+        #[link_name = "fork"]
+        fn libc_fork() -> i32;
+        #[link_name = "_exit"]
+        fn libc_exit(code: i32) -> !;
+        #[link_name = "kill"]
+        fn libc_kill(pid: i32, sig: i32) -> i32;
+        #[link_name = "waitpid"]
+        fn libc_waitpid(pid: i32, status: *mut i32, options: i32) -> i32;
+    }
+}
