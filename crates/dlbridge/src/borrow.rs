@@ -14,7 +14,7 @@
 //!
 //! The registry is process-wide. Each extension module that embeds dlbridge has its own copy of
 //! this crate, and all of them use the registry of the copy the process loaded first (its table,
-//! a versioned C ABI, [`RegistryApi`], found through [`crate::process_wide`] before the first
+//! a versioned C ABI, [`RegistryApi`], found through the loaded objects (`process_wide.rs`) before the first
 //! lease). Rust programs without Python use the crate's own.
 //!
 //! ```
@@ -61,9 +61,10 @@ use std::ffi::c_int;
 
 use crate::error::{Error, Result};
 use crate::fork::ForkSafeMutex;
+use crate::process_wide::Shared;
 
 /// The registry's C ABI, shared between the copies of dlbridge in one process (each Python extension
-/// module embeds one; see [`crate::process_wide`]). A new layout gets a new `version`; a table of
+/// module embeds one; see the module docs). A new layout gets a new `version`; a table of
 /// another version is never used.
 #[repr(C)]
 pub struct RegistryApi {
@@ -121,10 +122,25 @@ unsafe extern "C" fn local_release(lo: usize, hi: usize, exclusive: c_int) {
 pub static LOCAL: RegistryApi =
     RegistryApi { version: RegistryApi::VERSION, acquire: local_acquire, release: local_release };
 
+/// This copy's registry, exported under a fixed name so that every other copy in the process finds
+/// it by walking the loaded objects; the same functions as [`LOCAL`].
+#[cfg(all(feature = "python", target_os = "linux", not(miri)))]
+#[unsafe(no_mangle)]
+#[allow(non_upper_case_globals)]
+pub static dlbridge_borrow_registry_v1: RegistryApi = RegistryApi { ..LOCAL };
+
 /// The registry every lease of this copy goes to: the process's (see the module docs).
 #[inline]
 fn active() -> &'static RegistryApi {
-    crate::process_wide::tables().borrow
+    static PROCESS: Shared<RegistryApi> = Shared::new();
+    // SAFETY: only copies of this crate export this name, each a static `RegistryApi`; `usable`
+    // reads the leading version field before anything else is used.
+    unsafe {
+        PROCESS.get(c"dlbridge_borrow_registry_v1", &LOCAL, |t| {
+            // SAFETY: `version` is the first field of every version's table.
+            std::ptr::addr_of!((*t).version).read() == RegistryApi::VERSION
+        })
+    }
 }
 
 /// A registered byte range; released on drop. Holding one is what makes a typed slice or view of
@@ -149,8 +165,7 @@ impl Lease {
     /// and always succeeds (no memory is reached).
     pub(crate) fn acquire(lo: usize, hi: usize, exclusive: bool) -> Result<Self> {
         let api = active();
-        // SAFETY: a registry table of the expected version, live for the process (checked by
-        // `process_wide::tables`).
+        // SAFETY: a registry table of the expected version, live for the process (`active`).
         if lo < hi && unsafe { (api.acquire)(lo, hi, c_int::from(exclusive)) } != 0 {
             return Err(Error::AlreadyBorrowed { start: lo, end: hi, exclusive });
         }

@@ -58,7 +58,7 @@ pub mod layout;
 pub mod managed;
 #[cfg(feature = "ndarray")]
 pub mod ndarray;
-pub mod process_wide;
+mod process_wide;
 #[cfg(feature = "python")]
 pub mod python;
 #[cfg(all(feature = "shm", target_os = "linux"))]

@@ -5,78 +5,69 @@
 //! process, though: two copies may hand out slices of one array, so the aliasing rule needs one
 //! borrow registry per process, not per copy.
 //!
-//! Each copy built with the `python` feature on Linux exports one C symbol,
-//! `dlbridge_process_tables_v1`, a static table of its process-wide services (a versioned C ABI,
-//! [`ProcessTables`]). The process's services are those of the first copy the dynamic loader
-//! loaded: every copy finds it by walking the loaded objects in load order (`dl_iterate_phdr`)
-//! and asking each one for the symbol (`dlsym` on an `RTLD_NOLOAD` handle), once, before it first
-//! needs it. Nothing user code can reach from Python takes part (no attribute of `sys`, no
-//! environment variable), and the answer never changes: extension modules are never unloaded,
-//! and the first copy was loaded before any later one could run. A copy that finds no table
-//! (Miri, another OS, a program that does not export its symbols) uses its own.
+//! A service shared this way is a static C table each copy built with the `python` feature on
+//! Linux exports under a fixed, versioned symbol name (the borrow registry's is
+//! `dlbridge_borrow_registry_v1`). The process's table is the first loaded copy's: every copy finds
+//! it by walking the loaded objects in load order (`dl_iterate_phdr`) and asking each one for the
+//! symbol (`dlsym` on an `RTLD_NOLOAD` handle), once, before it first needs it ([`Shared`]).
+//! Nothing user code can reach from Python takes part (no attribute of `sys`, no environment
+//! variable), and the answer never changes: extension modules are never unloaded, and the first
+//! copy was loaded before any later one could run. A copy that finds no table (Miri, another OS, a
+//! program that does not export its symbols) uses its own.
 
-use crate::borrow::RegistryApi;
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
-/// The process-wide services one copy of the crate offers every other copy in the process. A
-/// table is read only up to its `size` (a newer copy may append fields; an older one's table is
-/// shorter), and each service checks its own version.
-#[repr(C)]
-#[derive(Debug)]
-pub struct ProcessTables {
-    /// `size_of::<ProcessTables>()` in the copy that made the table.
-    pub size: usize,
-    /// The borrow registry (see [`crate::borrow`]).
-    pub borrow: &'static RegistryApi,
+/// One process-wide service: the table of type `T` the first loaded copy exports under a symbol,
+/// found once (then one atomic load per use).
+pub(crate) struct Shared<T: 'static> {
+    found: AtomicPtr<T>,
 }
 
-/// This copy's table, exported under a fixed name so that every other copy in the process can find
-/// it (see the module docs). Only the Python layer exports it: that is where several copies meet.
-#[cfg(all(feature = "python", target_os = "linux", not(miri)))]
-#[unsafe(no_mangle)]
-#[allow(non_upper_case_globals)]
-pub static dlbridge_process_tables_v1: ProcessTables = OWN;
-
-const OWN: ProcessTables =
-    ProcessTables { size: std::mem::size_of::<ProcessTables>(), borrow: &crate::borrow::LOCAL };
-
-/// This copy's own table (what [`tables`] answers where no copy exports one).
-#[cfg(not(all(feature = "python", target_os = "linux", not(miri))))]
-static OWN_TABLES: ProcessTables = OWN;
-
-/// The process's services: the first loaded copy's table of a layout this copy understands, else
-/// this copy's own. Found once; every later call is one atomic load.
-pub fn tables() -> &'static ProcessTables {
-    use std::sync::atomic::{AtomicPtr, Ordering};
-    static FOUND: AtomicPtr<ProcessTables> = AtomicPtr::new(std::ptr::null_mut());
-    let p = FOUND.load(Ordering::Acquire);
-    if !p.is_null() {
-        // SAFETY: only stored below, from a process-lifetime table.
-        return unsafe { &*p };
+impl<T: Sync + 'static> Shared<T> {
+    /// Not looked up yet.
+    pub(crate) const fn new() -> Self {
+        Self { found: AtomicPtr::new(std::ptr::null_mut()) }
     }
-    let t = find();
-    // Racing threads of this copy find the same table (the loaded objects before any copy that
-    // runs never change), so whichever store lands is the answer.
-    FOUND.store(std::ptr::from_ref(t).cast_mut(), Ordering::Release);
-    t
+
+    /// The process's table: the first loaded object's `symbol` that `usable` accepts, else `own`.
+    ///
+    /// # Safety
+    ///
+    /// Every object that exports `symbol` exports a `T` under it that lives as long as the process
+    /// (a name only this crate's copies export, versioned with `T`'s layout), except for fields
+    /// `usable` checks before accepting it (it may read a leading size or version field only).
+    pub(crate) unsafe fn get(
+        &self,
+        symbol: &CStr,
+        own: &'static T,
+        usable: fn(*const T) -> bool,
+    ) -> &'static T {
+        let p = self.found.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: only stored below, from a process-lifetime table.
+            return unsafe { &*p };
+        }
+        // SAFETY: the caller's promise about `symbol`.
+        let t = unsafe { first_loaded(symbol, usable) }.unwrap_or(own);
+        // Racing threads of this copy find the same table (the objects loaded before any copy
+        // that runs never change), so whichever store lands is the answer.
+        self.found.store(std::ptr::from_ref(t).cast_mut(), Ordering::Release);
+        t
+    }
 }
 
-#[cfg(not(all(feature = "python", target_os = "linux", not(miri))))]
-fn find() -> &'static ProcessTables {
-    &OWN_TABLES
-}
-
+/// The first loaded object's `symbol` that `usable` accepts.
+///
+/// # Safety
+///
+/// As [`Shared::get`].
 #[cfg(all(feature = "python", target_os = "linux", not(miri)))]
-fn find() -> &'static ProcessTables {
-    first_loaded().unwrap_or(&dlbridge_process_tables_v1)
-}
+unsafe fn first_loaded<T: 'static>(symbol: &CStr, usable: fn(*const T) -> bool) -> Option<&'static T> {
+    use std::ffi::{CString, c_int, c_void};
 
-/// The first loaded object's table of a layout this copy understands.
-#[cfg(all(feature = "python", target_os = "linux", not(miri)))]
-fn first_loaded() -> Option<&'static ProcessTables> {
-    use std::ffi::{CStr, CString, c_int, c_void};
-
-    // Collect the names first: dlopen must not run inside dl_iterate_phdr's callback (it holds
-    // the loader's lock there).
+    // Collect the names first: dlopen must not run inside dl_iterate_phdr's callback (the loader's
+    // lock is held there).
     unsafe extern "C" fn collect(
         info: *mut libc::dl_phdr_info,
         _size: libc::size_t,
@@ -96,7 +87,7 @@ fn first_loaded() -> Option<&'static ProcessTables> {
         0
     }
     let mut names: Vec<Option<CString>> = Vec::new();
-    // SAFETY: a callback of the right type and a pointer to a live Vec it alone uses.
+    // SAFETY: a callback of the right type and a pointer to a live Vec only it uses.
     unsafe { libc::dl_iterate_phdr(Some(collect), std::ptr::from_mut(&mut names).cast()) };
 
     names.iter().find_map(|name| {
@@ -107,44 +98,37 @@ fn first_loaded() -> Option<&'static ProcessTables> {
         if handle.is_null() {
             return None;
         }
-        // SAFETY: a live handle and a static NUL-terminated name.
-        let sym = unsafe { libc::dlsym(handle, c"dlbridge_process_tables_v1".as_ptr()) };
-        // SAFETY: the handle from dlopen above. The object stays loaded (it was loaded before,
-        // and extension modules are never unloaded), so the symbol stays valid.
+        // SAFETY: a live handle and a NUL-terminated name.
+        let sym = unsafe { libc::dlsym(handle, symbol.as_ptr()) };
+        // SAFETY: the handle from dlopen above. The object stays loaded (it was loaded before this
+        // call, and extension modules are never unloaded), so the symbol stays valid.
         unsafe { libc::dlclose(handle) };
-        let t = sym.cast::<ProcessTables>().cast_const();
-        if t.is_null() {
-            return None;
-        }
-        // SAFETY: an object exporting this symbol is a copy of this crate (the name is ours and
-        // versioned): a `ProcessTables` whose `size` field comes first and says how many bytes
-        // follow; nothing beyond `size` is read. The object is never unloaded.
-        let size = unsafe { std::ptr::addr_of!((*t).size).read() };
-        let borrow_end = std::mem::offset_of!(ProcessTables, borrow) + std::mem::size_of::<&RegistryApi>();
-        if size < borrow_end {
-            return None;
-        }
-        // SAFETY: within `size` (checked): a pointer to a static registry table.
-        let borrow = unsafe { std::ptr::addr_of!((*t).borrow).read() };
-        if borrow.version != RegistryApi::VERSION {
-            return None;
-        }
-        // SAFETY: the table covers every field this copy reads (checked above), and lives as long
-        // as the process.
-        Some(unsafe { &*t })
+        let t = sym.cast::<T>().cast_const();
+        // SAFETY (of the reference): the caller's promise: a process-lifetime `T` once `usable`
+        // accepted it.
+        (!t.is_null() && usable(t)).then(|| unsafe { &*t })
     })
+}
+
+#[cfg(not(all(feature = "python", target_os = "linux", not(miri))))]
+unsafe fn first_loaded<T: 'static>(_symbol: &CStr, _usable: fn(*const T) -> bool) -> Option<&'static T> {
+    None
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    static OWN: u64 = 7;
+
     #[test]
     fn a_program_that_exports_no_table_uses_its_own() {
-        // A test binary does not export its symbols (no -rdynamic), so no loaded object answers.
-        let t = tables();
-        assert!(std::ptr::eq(t.borrow, &crate::borrow::LOCAL));
-        assert_eq!(t.size, std::mem::size_of::<ProcessTables>());
-        assert!(std::ptr::eq(t, tables()));
+        // A test binary exports no symbols (no -rdynamic), so no loaded object answers.
+        static S: Shared<u64> = Shared::new();
+        // SAFETY: no object exports this name.
+        let t = unsafe { S.get(c"dlbridge_no_such_table_v1", &OWN, |_| true) };
+        assert!(std::ptr::eq(t, &OWN));
+        // SAFETY: as above.
+        assert!(std::ptr::eq(unsafe { S.get(c"dlbridge_no_such_table_v1", &OWN, |_| false) }, &OWN));
     }
 }
