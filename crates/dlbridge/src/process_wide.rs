@@ -104,9 +104,11 @@ unsafe fn first_loaded<T: 'static>(symbol: &CStr, usable: fn(*const T) -> bool) 
         // call, and extension modules are never unloaded), so the symbol stays valid.
         unsafe { libc::dlclose(handle) };
         let t = sym.cast::<T>().cast_const();
-        // SAFETY (of the reference): the caller's promise: a process-lifetime `T` once `usable`
-        // accepted it.
-        (!t.is_null() && usable(t)).then(|| unsafe { &*t })
+        if t.is_null() || !usable(t) {
+            return None;
+        }
+        // SAFETY: the caller's promise: a process-lifetime `T` once `usable` accepted it.
+        Some(unsafe { &*t })
     })
 }
 
