@@ -23,7 +23,7 @@ QUIET_MATURIN = set -o pipefail; $(MATURIN) develop --quiet $(1) 2>&1 | { grep -
 DEMO_SOURCES := $(wildcard $(shell git ls-files -co --exclude-standard crates/dlbridge crates/dlbridge-python examples/scale examples/kernels python/dlbridge 2>/dev/null | grep -E '\.(rs|toml|py|pyi)$$')) Cargo.toml Cargo.lock pyproject.toml
 DEMO_STAMP := $(VENV)/.demo-built
 
-.PHONY: help demo demo-abi test lint rust-test miri hooks-absent matrix docs valgrind valgrind-python develop py-test stubs package bench fuzz soak clean
+.PHONY: help demo demo-abi test lint rust-test miri hooks-absent matrix docs valgrind valgrind-python develop py-test stubs package gpu-bundle bench fuzz soak clean
 
 help: ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
@@ -114,6 +114,12 @@ stubs: develop ## stubtest: the .pyi stubs match the module
 # in a clean virtualenv (scripts/package_check.sh; its own target dir, target/package-check).
 package: $(STAMP) ## build the crate and the wheel/sdist and check them
 	PY=$(PY) bash scripts/package_check.sh
+
+# What a lent GPU machine runs (it builds and fetches nothing): cp312 release wheels of dlbridge
+# (without and with test hooks) and of each example with `gpu` tests, those tests and run.sh, in
+# target/gpu-bundle (64 MiB at most). There: `bash target/gpu-bundle/run.sh OUTDIR`.
+gpu-bundle: $(STAMP) ## wheels + tests + run.sh for a GPU machine, in target/gpu-bundle
+	bash scripts/gpu_bundle.sh
 
 # Side-by-side benchmarks (release builds of dlbridge and of the peer shims), criterion benchmarks of
 # the Rust core, callgrind instruction counts; writes docs/BENCHMARKS.md and docs/bench_sizes.png.
