@@ -31,6 +31,10 @@ Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit`
 the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
 returns its new value (the handler reads and writes the aliased output buffer).
 
+A kernel's XLA FFI target is registered with jax when the kernel is made (or, made before jax is
+imported, right after jax's own import), so a ``jax.export``-ed function that calls it runs in a
+process that imported the extension, without tracing the kernel first.
+
 Importing this module imports no array library: torch and jax are used only once the caller has
 imported them.
 """
@@ -62,11 +66,12 @@ _UNSET = object()
 # What each argument type is, found once per type: 0 plain, 1 a jax tracer, 2 a torch tensor,
 # 4 a torch tensor subclass (and, per call, 8: a torch tensor that requires grad).
 _ROUTE: dict[type, int] = {}
-# FFI targets already registered with jax (name -> capsule), and every kernel made so far (their
-# torch ops are made once torch is imported).
+# FFI targets already registered with jax (name -> capsule), and the kernels whose torch op or jax
+# target waits for torch's or jax's import.
 _JAX_TARGETS: dict[str, Any] = {}
 _TARGET_NAMES: set[str] = set()
 _PENDING_TORCH: list[Kernel] = []
+_PENDING_JAX: list[Kernel] = []
 
 
 def _no_grad_mode() -> bool:
@@ -212,14 +217,24 @@ class Kernel:
             _make_pending_torch_ops()
         else:
             _PENDING_TORCH.append(self)
-            _watch_torch_import()
+            _watch_import("torch")
+        if ffi is not None:
+            # Registered now (or right after jax's import), not at the first traced call: a
+            # jax.export-ed function calling this kernel may be deserialized and run by a
+            # process that never traces it.
+            _PENDING_JAX.append(self)
+            if _jax_imported() is not None:
+                _register_pending_jax_targets()
+            else:
+                _watch_import("jax")
 
     def __repr__(self) -> str:
         return f"<dlbridge kernel {self.__module__}.{self.__name__}>"
 
     @property
     def target(self) -> str:
-        """The XLA FFI target name (registered with jax at the first traced call)."""
+        """The XLA FFI target name (registered with jax when the kernel is made, or right after
+        jax's import)."""
         return self._target
 
     @property
@@ -503,8 +518,8 @@ class Kernel:
                 "kernel has no XLA FFI handler (kernel(..., ffi=capsule))"
             )
         if self._target not in _JAX_TARGETS:
-            jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
-            _JAX_TARGETS[self._target] = self._ffi
+            # Made while jax was being imported, or its registration failed then: now (it raises).
+            self._register_jax_target(jax)
         import numpy as np
 
         named = []
@@ -523,6 +538,11 @@ class Kernel:
         if self._jax_vjp is None:
             self._jax_vjp = self._make_jax_vjp(jax)
         return self._jax_vjp(attrs, *tensors)
+
+    def _register_jax_target(self, jax: Any) -> None:
+        if self._target not in _JAX_TARGETS:
+            jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
+            _JAX_TARGETS[self._target] = self._ffi
 
     def _jax_ffi(self, jax: Any, attrs: tuple[tuple[str, Any], ...], tensors: Sequence[Any]) -> Any:
         jnp = jax.numpy
@@ -608,40 +628,74 @@ def _make_pending_torch_ops() -> None:
             k._make_torch_op(torch)
 
 
-class _TorchImportHook:
-    """A meta-path finder that makes the pending torch ops right after torch's own import, so a
-    kernel made before torch was imported is a custom op by the time torch.compile traces it
-    (dynamo cannot trace the op's creation)."""
+def _jax_imported() -> Any:
+    """jax, once its import is complete (a jax still being imported has no ``ffi`` yet)."""
+    jax = sys.modules.get("jax")
+    return jax if jax is not None and hasattr(jax, "ffi") else None
+
+
+def _register_pending_jax_targets() -> None:
+    jax = _jax_imported()
+    if jax is None:
+        return
+    while _PENDING_JAX:
+        try:
+            k = _PENDING_JAX.pop(0)
+        except IndexError:  # another thread took the last one
+            break
+        k._register_jax_target(jax)
+
+
+def _after_jax_import() -> None:
+    try:
+        _register_pending_jax_targets()
+    except Exception:  # noqa: BLE001 - never fail jax's import: the first traced call retries and raises
+        pass
+
+
+# What to do right after each watched module's own import.
+_AFTER_IMPORT: dict[str, Callable[[], None]] = {"torch": _make_pending_torch_ops, "jax": _after_jax_import}
+
+
+class _ImportHook:
+    """A meta-path finder that acts right after torch's or jax's own import: it makes the pending
+    torch ops, so a kernel made before torch was imported is a custom op by the time
+    torch.compile traces it (dynamo cannot trace the op's creation), and registers the pending
+    jax FFI targets, so a deserialized ``jax.export`` finds them."""
+
+    def __init__(self) -> None:
+        self.watched: set[str] = set()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname not in self.watched:
             return None
-        _unwatch_torch_import()
-        spec = importlib.util.find_spec("torch")
+        self.watched.discard(fullname)
+        if not self.watched and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)
         if exec_module is None:
             return spec
+        after = _AFTER_IMPORT[fullname]
 
-        def exec_then_make_ops(module: Any) -> None:
+        def exec_then_act(module: Any) -> None:
             exec_module(module)
-            _make_pending_torch_ops()
+            after()
 
-        loader.exec_module = exec_then_make_ops  # type: ignore[union-attr]
+        loader.exec_module = exec_then_act  # type: ignore[union-attr]
         return spec
 
 
-_HOOK = _TorchImportHook()
+_HOOK = _ImportHook()
 
 
-def _watch_torch_import() -> None:
-    if "torch" not in sys.modules and _HOOK not in sys.meta_path:
+def _watch_import(name: str) -> None:
+    if name in sys.modules or name in _HOOK.watched:
+        return
+    _HOOK.watched.add(name)
+    if _HOOK not in sys.meta_path:
         sys.meta_path.insert(0, _HOOK)
-
-
-def _unwatch_torch_import() -> None:
-    if _HOOK in sys.meta_path:
-        sys.meta_path.remove(_HOOK)
 
 
 def torch_ready() -> None:
