@@ -79,14 +79,23 @@ def _no_grad_mode() -> bool:
     return False
 
 
-# torch._C.is_grad_enabled once torch is imported: a module global, so an eager call on a tensor
-# that requires grad pays one C call to learn whether autograd must see it.
+class _NoForwardAD:
+    """torch.autograd.forward_ad's level until torch is imported: no dual level is open."""
+
+    _current_level = -1
+
+
+# torch._C.is_grad_enabled and torch.autograd.forward_ad once torch is imported: module globals, so
+# an eager call on torch tensors pays one C call (a tensor requires grad) or one attribute read
+# (is a dual level open) to learn whether autograd must see it.
 _grad_enabled: Callable[[], bool] = _no_grad_mode
+_forward_ad: Any = _NoForwardAD
 
 
 def _torch_seen(torch: Any) -> None:
-    global _grad_enabled
+    global _grad_enabled, _forward_ad
     _grad_enabled = torch._C.is_grad_enabled
+    _forward_ad = torch.autograd.forward_ad
 
 
 def _route_of(tp: type) -> int:
@@ -296,7 +305,23 @@ class Kernel:
         # cut off from autograd, a gradient silently wrong.
         if route & 8 and _grad_enabled():
             return self._torch_call(self._bind(args, kwargs))
+        if _forward_ad._current_level >= 0:
+            self._refuse_dual_tensors(args, kwargs)
         return self._fn(*args, **kwargs)
+
+    def _refuse_dual_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Inside a forward-AD dual level, a tensor with a tangent is refused: a kernel has no
+        forward-mode derivative, and the eager function would drop the tangent silently (torch's
+        own custom op does)."""
+        unpack = _forward_ad.unpack_dual
+        for n, a in [*zip(self._params, args), *kwargs.items()]:
+            if _ROUTE.get(type(a), 0) & 6 and unpack(a).tangent is not None:
+                raise RuntimeError(
+                    f"{self.__name__}: argument {n!r} is a dual tensor (forward-mode AD), but a kernel "
+                    "has no forward-mode derivative, so its tangent would be dropped: differentiate in "
+                    "reverse mode (backward, torch.autograd.grad), or pass the primal "
+                    "(torch.autograd.forward_ad.unpack_dual(x).primal)"
+                )
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         params = self._params

@@ -215,6 +215,29 @@ def test_compiled_double_backward_is_refused_as_torch_refuses_its_own():
             (g**2).sum().backward()
 
 
+def test_forward_mode_ad_is_refused_not_dropped():
+    # A dual tensor's tangent was dropped silently (the result had none), as torch's own custom
+    # op without a jvp drops it; a kernel has no forward-mode derivative, so it refuses.
+    import torch.autograd.forward_ad as fwAD
+
+    x, z, m = f64(4), f64(4, seed=1), f64(2, 4, seed=2)
+    with fwAD.dual_level():
+        d = fwAD.make_dual(x, torch.ones(4, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"saxpy: argument 'x' is a dual tensor \(forward-mode AD\)"):
+            K.saxpy(2.0, d, z)
+        dm = fwAD.make_dual(m, torch.ones(2, 4, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"softmax: argument 'x' is a dual tensor"):
+            K.softmax(dm)
+        # requiring grad too: the op's autograd.Function, which torch refuses under forward AD
+        dr = fwAD.make_dual(m.clone().requires_grad_(), torch.ones(2, 4, dtype=torch.float64))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            K.softmax(dr)
+        # a tensor without a tangent, inside the level: the kernel, as usual
+        torch.testing.assert_close(K.softmax(m), torch.softmax(m, -1))
+    with pytest.raises(RuntimeError, match=r"saxpy: argument 'x' is a dual tensor"):
+        torch.func.jvp(lambda x: K.saxpy(2.0, x, z), (x,), (torch.ones(4, dtype=torch.float64),))
+
+
 # --- jax ---
 
 
