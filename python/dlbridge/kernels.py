@@ -20,7 +20,8 @@ through ``jax.custom_vjp``, torch autograd through ``torch.library.register_auto
 without one is refused by both: jax raises that the FFI call cannot be differentiated; torch
 raises at backward (``no autograd formula``), as for its own custom ops, and an in-place kernel
 called with an argument that requires grad (in grad mode) is refused at the call, since autograd
-cannot record the write. A backward is differentiable again when it is made of differentiable
+cannot record the write; a torch dual tensor (forward-mode AD) is refused, since a kernel has no
+forward-mode derivative. A backward is differentiable again when it is made of differentiable
 operations (torch ops, or kernels with a backward of their own); where it is not (a kernel
 without a backward, a plain function), double backward (``create_graph=True``,
 ``gradgradcheck``) raises that the gradient is first order only.
