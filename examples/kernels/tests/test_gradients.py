@@ -102,6 +102,11 @@ def test_an_nn_module_with_parameters_is_refused_not_left_untrained():
     torch.testing.assert_close(out, ref.detach())
     with torch.inference_mode():
         torch.testing.assert_close(m(x), ref.detach())
+    # compiled: refused as well (AOTAutograd traces the backward at the first call)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="layer_norm: no autograd formula"):
+        (torch.compile(m)(x) ** 2).sum().backward()
+    assert m.weight.grad is None and m.bias.grad is None
 
 
 def test_an_nn_module_calling_softmax_trains_as_torchs_softmax_does():
@@ -113,16 +118,23 @@ def test_an_nn_module_calling_softmax_trains_as_torchs_softmax_does():
         def forward(self, x, sm):
             return sm(x * self.scale) @ torch.arange(7.0, dtype=torch.float64)
 
-    ours, theirs = Attn(), Attn()
+    ours, compiled, theirs = Attn(), Attn(), Attn()
     x = f64(5, 7)
-    for sm, m in ((K.softmax, ours), (lambda t: torch.softmax(t, -1), theirs)):
+    torch._dynamo.reset()
+    step = torch.compile(lambda m, x: (m(x, K.softmax) ** 2).sum(), fullgraph=True)
+    for loss, m in (
+        (lambda m: (m(x, K.softmax) ** 2).sum(), ours),
+        (lambda m: step(m, x), compiled),
+        (lambda m: (m(x, lambda t: torch.softmax(t, -1)) ** 2).sum(), theirs),
+    ):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for _ in range(3):
             opt.zero_grad()
-            (m(x, sm) ** 2).sum().backward()
+            loss(m).backward()
             opt.step()
-    torch.testing.assert_close(ours.scale.grad, theirs.scale.grad)
-    torch.testing.assert_close(ours.scale, theirs.scale)
+    for m in (ours, compiled):
+        torch.testing.assert_close(m.scale.grad, theirs.scale.grad)
+        torch.testing.assert_close(m.scale, theirs.scale)
     assert not torch.equal(ours.scale.detach(), torch.linspace(0.5, 2.0, 7, dtype=torch.float64))
 
 
