@@ -139,7 +139,11 @@ def test_a_jax_export_runs_in_a_fresh_process_that_never_traced_the_kernels(tmp_
     (tmp_path / "f.bin").write_bytes(jax.export.export(f, disabled_checks=checks)(x).serialize())
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "want.npy", np.asarray(f(x)))
-    imports = "import dlbridge_kernels\nimport jax" if order == "extension first" else "import jax\nimport dlbridge_kernels"
+    imports = (
+        "import sys\nimport dlbridge_kernels\nassert 'jax' not in sys.modules  # the hook imports nothing\nimport jax"
+        if order == "extension first"
+        else "import jax\nimport dlbridge_kernels"
+    )
     code = f"""
 {imports}
 import numpy as np
