@@ -11,18 +11,30 @@ arguments) into one callable that
   ``torch.library.custom_op`` whose fake implementation follows the same rule, so dynamo traces it
   without a graph break.
 
+Gradients are right or refused, never silently wrong. ``backward`` names the gradient:
+``(kernel, args, grads)``, where ``args`` are names among the parameters, ``"out"`` (the result) and
+``"grad"`` (the result's cotangent), and ``grads`` the tensor parameters the backward kernel
+returns gradients for (one result, or a tuple in that order); or any callable
+``backward(named: dict) -> dict`` mapping parameter names to gradients. ``jax.grad`` uses it
+through ``jax.custom_vjp``, torch autograd through ``torch.library.register_autograd``. A kernel
+without one is refused by both: jax raises that the FFI call cannot be differentiated; torch
+raises at backward (``no autograd formula``), as for its own custom ops, and an in-place kernel
+called with an argument that requires grad (in grad mode) is refused at the call, since autograd
+cannot record the write; a torch dual tensor (forward-mode AD) is refused, since a kernel has no
+forward-mode derivative. A backward is differentiable again when it is made of differentiable
+operations (torch ops, or kernels with a backward of their own); where it is not (a kernel
+without a backward, a plain function), double backward (``create_graph=True``,
+``gradgradcheck``) raises that the gradient is first order only.
+
 Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit``) and torch
 ``float``/``int``/``bool`` arguments; every other parameter is a tensor. Parameters named in
 ``mutates`` are written in place: torch sees them as ``mutates_args``; XLA, being functional, gets
 the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
 returns its new value (the handler reads and writes the aliased output buffer).
 
-``backward`` names the gradient: ``(kernel, args, grads)``, where ``args`` are names among the
-parameters, ``"out"`` (the result) and ``"grad"`` (the result's cotangent), and ``grads`` the
-tensor parameters the backward kernel returns gradients for (one result, or a tuple in that
-order); or any callable ``backward(named: dict) -> dict`` mapping parameter names to gradients.
-``jax.grad`` uses it through ``jax.custom_vjp``, torch autograd through
-``torch.library.register_autograd``.
+A kernel's XLA FFI target is registered with jax when the kernel is made (or, made before jax is
+imported, right after jax's own import), so a ``jax.export``-ed function that calls it runs in a
+process that imported the extension, without tracing the kernel first.
 
 Importing this module imports no array library: torch and jax are used only once the caller has
 imported them.
@@ -53,13 +65,38 @@ _EMPTY = inspect.Parameter.empty
 _UNSET = object()
 
 # What each argument type is, found once per type: 0 plain, 1 a jax tracer, 2 a torch tensor,
-# 4 a torch tensor subclass.
+# 4 a torch tensor subclass (and, per call, 8: a torch tensor that requires grad).
 _ROUTE: dict[type, int] = {}
-# FFI targets already registered with jax (name -> capsule), and every kernel made so far (their
-# torch ops are made once torch is imported).
+# FFI targets already registered with jax (name -> capsule), and the kernels whose torch op or jax
+# target waits for torch's or jax's import.
 _JAX_TARGETS: dict[str, Any] = {}
 _TARGET_NAMES: set[str] = set()
 _PENDING_TORCH: list[Kernel] = []
+_PENDING_JAX: list[Kernel] = []
+
+
+def _no_grad_mode() -> bool:
+    """The grad mode until torch is imported (before torch, nothing needs a gradient)."""
+    return False
+
+
+class _NoForwardAD:
+    """torch.autograd.forward_ad's level until torch is imported: no dual level is open."""
+
+    _current_level = -1
+
+
+# torch._C.is_grad_enabled and torch.autograd.forward_ad once torch is imported: module globals, so
+# an eager call on torch tensors pays one C call (a tensor requires grad) or one attribute read
+# (is a dual level open) to learn whether autograd must see it.
+_grad_enabled: Callable[[], bool] = _no_grad_mode
+_forward_ad: Any = _NoForwardAD
+
+
+def _torch_seen(torch: Any) -> None:
+    global _grad_enabled, _forward_ad
+    _grad_enabled = torch._C.is_grad_enabled
+    _forward_ad = torch.autograd.forward_ad
 
 
 def _route_of(tp: type) -> int:
@@ -73,6 +110,7 @@ def _route_of(tp: type) -> int:
         # tensors while torch.compile's AOTAutograd traces a backward, user subclasses) always
         # go through the custom op.
         route = 2 if tp is torch.Tensor or tp is torch.nn.Parameter else 4
+        _torch_seen(torch)
     # The answer never changes: a class's bases are fixed when it is made, so a type that exists
     # before jax or torch is imported cannot be a subclass of theirs.
     _ROUTE[tp] = route
@@ -171,7 +209,12 @@ class Kernel:
                 if n not in self._index or n in attrs:
                     raise ValueError(f"kernel {self.__name__}: backward gradient {n!r} is no tensor parameter")
             backward = (bk, tuple(bargs), tuple(bgrads))
+            if isinstance(bk, Kernel):
+                # Its refusal of a double backward then names this kernel (first order only).
+                bk._grad_of.append(str(self.__name__))
         self._backward = backward
+        # The kernels this one is the named backward of.
+        self._grad_of: list[str] = []
         self._vmap_method = vmap_method
         self._op: Any = None
         # torch.compiler.is_compiling once torch is there: an attribute of the instance, since
@@ -184,14 +227,24 @@ class Kernel:
             _make_pending_torch_ops()
         else:
             _PENDING_TORCH.append(self)
-            _watch_torch_import()
+            _watch_import("torch")
+        if ffi is not None:
+            # Registered now (or right after jax's import), not at the first traced call: a
+            # jax.export-ed function calling this kernel may be deserialized and run by a
+            # process that never traces it.
+            _PENDING_JAX.append(self)
+            if _jax_imported() is not None:
+                _register_pending_jax_targets()
+            else:
+                _watch_import("jax")
 
     def __repr__(self) -> str:
         return f"<dlbridge kernel {self.__module__}.{self.__name__}>"
 
     @property
     def target(self) -> str:
-        """The XLA FFI target name (registered with jax at the first traced call)."""
+        """The XLA FFI target name (registered with jax when the kernel is made, or right after
+        jax's import)."""
         return self._target
 
     @property
@@ -219,12 +272,8 @@ class Kernel:
             # rule, no write into an inference tensor outside inference mode, cannot be checked
             # here (dynamo refuses to trace `is_inference()`): torch's own check applies, after
             # the write, as for its own in-place operations compiled or not (eager refuses before).
-            if y.requires_grad and y.is_leaf and sys.modules["torch"].is_grad_enabled():
-                raise TypeError(
-                    f"{self.__name__}: argument {self._params[i]!r}: requires_grad: a leaf tensor that requires "
-                    "grad cannot be written in place (torch refuses it too); write under torch.no_grad(), or "
-                    "pass a tensor that does not require grad"
-                )
+            if sys.modules["torch"].is_grad_enabled():
+                self._refuse_grad_in_place(args, kwargs)
             self._overload(*args, **kwargs)
             return y
         if _PENDING_TORCH:
@@ -232,24 +281,48 @@ class Kernel:
         route = 0
         for a in args:
             r = _ROUTE.get(type(a))
-            route |= _route_of(type(a)) if r is None else r
+            if r is None:
+                r = _route_of(type(a))
+            if r == 2 and a.requires_grad:
+                r = 10
+            route |= r
         if kwargs:
             for a in kwargs.values():
                 r = _ROUTE.get(type(a))
-                route |= _route_of(type(a)) if r is None else r
+                if r is None:
+                    r = _route_of(type(a))
+                if r == 2 and a.requires_grad:
+                    r = 10
+                route |= r
         if route == 0:
             return self._fn(*args, **kwargs)
-        torch = sys.modules.get("torch")
         if route & 1:
             return self._jax_call(self._bind(args, kwargs))
         if route & 4:
             return self._torch_call(self._bind(args, kwargs))
-        # torch tensors: the custom op where autograd must see the call, else the kernel itself.
-        if self._backward is not None and torch is not None and torch.is_grad_enabled():
-            vals = self._bind(args, kwargs)
-            if any(getattr(vals[i], "requires_grad", False) for i in self._tensor_idx):
-                return self._torch_call(vals)
+        # torch tensors: the custom op where autograd must see the call (a tensor that requires
+        # grad, 8, in grad mode: the op's autograd applies the backward, or refuses a kernel
+        # without one), else the kernel itself. The eager function alone would return a result
+        # cut off from autograd, a gradient silently wrong.
+        if route & 8 and _grad_enabled():
+            return self._torch_call(self._bind(args, kwargs))
+        if _forward_ad._current_level >= 0:
+            self._refuse_dual_tensors(args, kwargs)
         return self._fn(*args, **kwargs)
+
+    def _refuse_dual_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Inside a forward-AD dual level, a tensor with a tangent is refused: a kernel has no
+        forward-mode derivative, and the eager function would drop the tangent silently (torch's
+        own custom op does)."""
+        unpack = _forward_ad.unpack_dual
+        for n, a in [*zip(self._params, args), *kwargs.items()]:
+            if _ROUTE.get(type(a), 0) & 6 and unpack(a).tangent is not None:
+                raise RuntimeError(
+                    f"{self.__name__}: argument {n!r} is a dual tensor (forward-mode AD), but a kernel "
+                    "has no forward-mode derivative, so its tangent would be dropped: differentiate in "
+                    "reverse mode (backward, torch.autograd.grad), or pass the primal "
+                    "(torch.autograd.forward_ad.unpack_dual(x).primal)"
+                )
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         params = self._params
@@ -295,10 +368,36 @@ class Kernel:
                 f"{self.__name__}: its torch op does not exist yet: call dlbridge.kernels.torch_ready() "
                 "(or any kernel) once after importing torch, before torch.compile traces it"
             )
-        res = op(*vals)
         if self._mutated_idx is not None:
+            if _grad_enabled():
+                self._refuse_grad_in_place(vals, {})
+            op(*vals)
             return vals[self._mutated_idx]
-        return res
+        return op(*vals)
+
+    def _refuse_grad_in_place(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """In grad mode, an in-place kernel refuses every argument that requires grad: autograd
+        cannot record its write (an in-place op has no backward; torch's own in-place custom op
+        would leave the gradients silently wrong). Traced by dynamo under compile."""
+        params = self._params
+        i = self._mutated_idx
+        assert i is not None
+        y = args[i] if args[i : i + 1] else kwargs[params[i]]
+        if y.requires_grad and y.is_leaf:
+            raise TypeError(
+                f"{self.__name__}: argument {params[i]!r}: requires_grad: a leaf tensor that requires "
+                "grad cannot be written in place (torch refuses it too); write under torch.no_grad(), or "
+                "pass a tensor that does not require grad"
+            )
+        named = [*zip(params, args), *kwargs.items()]
+        for n, a in named:
+            if getattr(a, "requires_grad", False):
+                raise RuntimeError(
+                    f"{self.__name__}: argument {n!r} requires grad, but {self.__name__} writes "
+                    f"{params[i]!r} in place, which autograd cannot record (an in-place kernel has no "
+                    "backward; its gradient would be silently wrong): call it under torch.no_grad(), or "
+                    "pass tensors that do not require grad (.detach())"
+                )
 
     def _make_torch_op(self, torch: Any) -> None:
         fn = self._fn
@@ -360,7 +459,15 @@ class Kernel:
         op.register_fake(fake)
         if self._backward is not None:
             self._register_torch_autograd(torch, op)
+        elif functional:
+            # torch's default for a custom op without autograd raises at backward too; this one
+            # says what to do in dlbridge's terms. (An in-place kernel refuses at the call.)
+            def no_backward(ctx: Any, *grads: Any) -> Any:
+                raise RuntimeError(self._no_backward_message())
+
+            op.register_autograd(no_backward)
         self._op = op
+        _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
         self._compiling = torch.compiler.is_compiling
 
@@ -378,9 +485,54 @@ class Kernel:
             named["grad"] = grad.contiguous()
             named.update(ctx.dlbridge_attrs)
             grads = self._run_backward(named)
-            return tuple(grads.get(n) if i in tensor_idx else None for i, n in enumerate(params))
+            result = tuple(grads.get(n) if i in tensor_idx else None for i, n in enumerate(params))
+            if torch.is_grad_enabled():
+                # create_graph=True: each gradient must carry its graph for a double backward.
+                result = self._first_order_only(torch, result, (grad, *saved))
+            return result
 
         op.register_autograd(backward, setup_context=setup_context)
+
+    def _first_order_only(self, torch: Any, result: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Under create_graph=True, a gradient the backward returned cut off from autograd (a plain
+        function's result: it does not require grad while the backward's inputs do) becomes the
+        output of a node whose inputs are the backward's and whose backward raises, instead of
+        counting as a constant (a double backward silently wrong). Gradients made of
+        differentiable operations (torch ops, kernels with a backward) keep their graph.
+        (torch's ``once_differentiable`` hangs its error on detached stand-ins, which a double
+        backward with ``allow_unused=True``, as gradgradcheck's, never reaches: zeros.)"""
+        live = [t for t in inputs if t.requires_grad]
+        if not live:
+            return result
+        out = list(result)
+        for j, g in enumerate(result):
+            if isinstance(g, torch.Tensor) and not g.requires_grad:
+                message = (
+                    f"{self.__name__}: its gradient is first order only: its backward returned the "
+                    f"gradient of {self._params[j]!r} without a graph, so it cannot be differentiated "
+                    "again (double backward, create_graph=True, gradgradcheck); write the backward with "
+                    "differentiable operations (torch ops, or kernels that name a backward of their own)"
+                )
+                out[j] = _first_order_function(torch).apply(message, [g], *live)
+        return tuple(out)
+
+    def _no_backward_message(self) -> str:
+        """Why torch cannot differentiate through this kernel, and what to do."""
+        name = self.__name__
+        if self._grad_of:
+            of = ", ".join(self._grad_of)
+            return (
+                f"{name}: no autograd formula: {name} is the backward of {of} and names no backward of "
+                f"its own, so the gradient of {of} is first order only: double backward "
+                f"(create_graph=True, gradgradcheck) is refused; give {name} a backward "
+                "(dlbridge.kernels.kernel(..., backward=...), add_kernel's backward) to differentiate twice"
+            )
+        return (
+            f"{name}: no autograd formula: the kernel names no backward, so torch cannot "
+            "differentiate through it (an input required grad); name one (dlbridge.kernels.kernel(..., "
+            "backward=...), add_kernel's backward), or call it under torch.no_grad() or on tensors that "
+            "do not require grad (.detach())"
+        )
 
     # --- jax ---
 
@@ -392,8 +544,8 @@ class Kernel:
                 "kernel has no XLA FFI handler (kernel(..., ffi=capsule))"
             )
         if self._target not in _JAX_TARGETS:
-            jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
-            _JAX_TARGETS[self._target] = self._ffi
+            # Made while jax was being imported, or its registration failed then: now (it raises).
+            self._register_jax_target(jax)
         import numpy as np
 
         named = []
@@ -412,6 +564,11 @@ class Kernel:
         if self._jax_vjp is None:
             self._jax_vjp = self._make_jax_vjp(jax)
         return self._jax_vjp(attrs, *tensors)
+
+    def _register_jax_target(self, jax: Any) -> None:
+        if self._target not in _JAX_TARGETS:
+            jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
+            _JAX_TARGETS[self._target] = self._ffi
 
     def _jax_ffi(self, jax: Any, attrs: tuple[tuple[str, Any], ...], tensors: Sequence[Any]) -> Any:
         jnp = jax.numpy
@@ -456,6 +613,29 @@ class Kernel:
         return f
 
 
+_FIRST_ORDER: Any = None
+
+
+def _first_order_function(torch: Any) -> Any:
+    """An autograd Function returning a given tensor as an output of the given inputs, whose
+    backward raises the message it was given (made once torch is there)."""
+    global _FIRST_ORDER
+    if _FIRST_ORDER is None:
+
+        class FirstOrderOnly(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, message: str, box: list[Any], *inputs: Any) -> Any:
+                ctx.message = message
+                return box[0].view_as(box[0])
+
+            @staticmethod
+            def backward(ctx: Any, *grads: Any) -> Any:
+                raise RuntimeError(ctx.message)
+
+        _FIRST_ORDER = FirstOrderOnly
+    return _FIRST_ORDER
+
+
 def _never_compiling() -> bool:
     """A kernel's compile check until its torch op exists (before torch, nothing compiles)."""
     return False
@@ -466,45 +646,82 @@ def _make_pending_torch_ops() -> None:
     if torch is None:
         return
     while _PENDING_TORCH:
-        k = _PENDING_TORCH.pop(0)
+        try:
+            k = _PENDING_TORCH.pop(0)
+        except IndexError:  # another thread took the last one
+            break
         if k._op is None:
             k._make_torch_op(torch)
 
 
-class _TorchImportHook:
-    """A meta-path finder that makes the pending torch ops right after torch's own import, so a
-    kernel made before torch was imported is a custom op by the time torch.compile traces it
-    (dynamo cannot trace the op's creation)."""
+def _jax_imported() -> Any:
+    """jax, once its import is complete (a jax still being imported has no ``ffi`` yet)."""
+    jax = sys.modules.get("jax")
+    return jax if jax is not None and hasattr(jax, "ffi") else None
+
+
+def _register_pending_jax_targets() -> None:
+    jax = _jax_imported()
+    if jax is None:
+        return
+    while _PENDING_JAX:
+        try:
+            k = _PENDING_JAX.pop(0)
+        except IndexError:  # another thread took the last one
+            break
+        k._register_jax_target(jax)
+
+
+def _after_jax_import() -> None:
+    try:
+        _register_pending_jax_targets()
+    except Exception:  # noqa: BLE001 - never fail jax's import: the first traced call retries and raises
+        pass
+
+
+# What to do right after each watched module's own import.
+_AFTER_IMPORT: dict[str, Callable[[], None]] = {"torch": _make_pending_torch_ops, "jax": _after_jax_import}
+
+
+class _ImportHook:
+    """A meta-path finder that acts right after torch's or jax's own import: it makes the pending
+    torch ops, so a kernel made before torch was imported is a custom op by the time
+    torch.compile traces it (dynamo cannot trace the op's creation), and registers the pending
+    jax FFI targets, so a deserialized ``jax.export`` finds them."""
+
+    def __init__(self) -> None:
+        self.watched: set[str] = set()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname not in self.watched:
             return None
-        _unwatch_torch_import()
-        spec = importlib.util.find_spec("torch")
+        self.watched.discard(fullname)
+        if not self.watched and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)
         if exec_module is None:
             return spec
+        after = _AFTER_IMPORT[fullname]
 
-        def exec_then_make_ops(module: Any) -> None:
+        def exec_then_act(module: Any) -> None:
             exec_module(module)
-            _make_pending_torch_ops()
+            after()
 
-        loader.exec_module = exec_then_make_ops  # type: ignore[union-attr]
+        loader.exec_module = exec_then_act  # type: ignore[union-attr]
         return spec
 
 
-_HOOK = _TorchImportHook()
+_HOOK = _ImportHook()
 
 
-def _watch_torch_import() -> None:
-    if "torch" not in sys.modules and _HOOK not in sys.meta_path:
+def _watch_import(name: str) -> None:
+    if name in sys.modules or name in _HOOK.watched:
+        return
+    _HOOK.watched.add(name)
+    if _HOOK not in sys.meta_path:
         sys.meta_path.insert(0, _HOOK)
-
-
-def _unwatch_torch_import() -> None:
-    if _HOOK in sys.meta_path:
-        sys.meta_path.remove(_HOOK)
 
 
 def torch_ready() -> None:

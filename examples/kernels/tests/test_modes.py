@@ -125,6 +125,38 @@ def test_refusals_inside_jit_name_the_argument():
         jax.jit(k.saxpy)(2.0, jnp.ones(3), jnp.ones(3))
 
 
+@pytest.mark.parametrize("order", ["extension first", "jax first"])
+def test_a_jax_export_runs_in_a_fresh_process_that_never_traced_the_kernels(tmp_path, order):
+    # The reproducer: targets were registered at the first traced call, so a deserialized export
+    # failed with "No FFI handler registered". They are registered when the kernel is made (jax
+    # imported first) or right after jax's own import (the extension imported first).
+    import subprocess
+    import sys
+
+    x = rand(3, 4, dtype=np.float64)
+    f = jax.jit(lambda x: k.softmax(k.layer_norm(x, jnp.ones(4), jnp.zeros(4), eps=1e-3)) + k.saxpy(2.0, x[0], x[1]))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(kk.target) for kk in (k.softmax, k.layer_norm, k.saxpy)]
+    (tmp_path / "f.bin").write_bytes(jax.export.export(f, disabled_checks=checks)(x).serialize())
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "want.npy", np.asarray(f(x)))
+    imports = (
+        "import sys\nimport dlbridge_kernels\nassert 'jax' not in sys.modules  # the hook imports nothing\nimport jax"
+        if order == "extension first"
+        else "import jax\nimport dlbridge_kernels"
+    )
+    code = f"""
+{imports}
+import numpy as np
+jax.config.update("jax_enable_x64", True)
+exp = jax.export.deserialize(bytearray(open({str(tmp_path / "f.bin")!r}, "rb").read()))
+got = np.asarray(exp.call(np.load({str(tmp_path / "x.npy")!r})))
+np.testing.assert_allclose(got, np.load({str(tmp_path / "want.npy")!r}), rtol=1e-12)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 # --- torch.compile ---
 
 

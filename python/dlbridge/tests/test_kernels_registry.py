@@ -100,6 +100,91 @@ def test_torch_autograd_uses_the_named_backward():
     assert torch.autograd.gradcheck(k, (x,))
 
 
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_torch_refuses_the_backward_of_a_kernel_that_names_none():
+    import torch
+
+    # Eagerly the function ran alone and its result was cut off from autograd (x.grad 1, not 3).
+    k = fresh(scale, attrs={"s": "float64"})
+    x = torch.arange(3.0, requires_grad=True)
+    y = k(x, 2.0) + x
+    assert torch.equal(y, 3 * x)
+    with pytest.raises(RuntimeError, match=r"reg_\w+: no autograd formula: the kernel names no backward"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert torch.equal(k(x, 2.0), 2 * x)
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_torch_in_place_kernels_refuse_arguments_that_require_grad():
+    import torch
+
+    def add_(x, y):
+        y += x
+        return y
+
+    k = fresh(add_, mutates=("y",))
+    x, y = torch.ones(3, requires_grad=True), torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"argument 'x' requires grad, but reg_\w+ writes 'y' in place"):
+        k(x, y)
+    assert torch.equal(y, torch.zeros(3))
+    with torch.no_grad():
+        k(x, y)
+    assert torch.equal(y, torch.ones(3))
+
+
+def cube(x):
+    return x * x * x
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_torch_double_backward_through_a_backward_with_its_own_backward_is_right():
+    import torch
+
+    def cube_grad(x, g):
+        return 3 * x * x * g
+
+    def cube_grad_backward(named):
+        x, g, h = named["x"], named["g"], named["grad"]
+        return {"x": 6 * x * g * h, "g": 3 * x * x * h}
+
+    bw = fresh(cube_grad, backward=cube_grad_backward)
+    k = fresh(cube, backward=(bw, ("x", "grad"), ("x",)))
+    x = torch.linspace(-1.5, 2.0, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(k, (x,))
+    # against torch's own second derivative of the same computation
+    (g,) = torch.autograd.grad(k(x).sum() * 2, x, create_graph=True)
+    (gg,) = torch.autograd.grad((g * g).sum(), x)
+    (g_ref,) = torch.autograd.grad((x**3).sum() * 2, x, create_graph=True)
+    (gg_ref,) = torch.autograd.grad((g_ref * g_ref).sum(), x)
+    torch.testing.assert_close(gg, gg_ref)
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_torch_a_backward_of_torch_ops_keeps_its_graph_and_a_plain_one_is_first_order_only():
+    import torch
+
+    x = torch.linspace(-1.5, 2.0, 5, dtype=torch.float64, requires_grad=True)
+    # torch ops: differentiable again, so a double backward is right
+    k = fresh(cube, backward=lambda n: {"x": 3 * n["x"] ** 2 * n["grad"]})
+    assert torch.autograd.gradgradcheck(k, (x,))
+
+    # a plain computation (numpy): its result carries no graph; before, the second derivative
+    # counted it as a constant, silently (gradgradcheck failed on the values)
+    def numpy_backward(n):
+        xs, g = n["x"].detach().numpy(), n["grad"].detach().numpy()
+        return {"x": torch.from_numpy(3 * xs * xs * g)}
+
+    k = fresh(cube, backward=numpy_backward)
+    assert torch.autograd.gradcheck(k, (x,))
+    with pytest.raises(RuntimeError, match=r"reg_\w+: its gradient is first order only"):
+        torch.autograd.gradgradcheck(k, (x,))
+    (g,) = torch.autograd.grad(k(x).sum(), x, create_graph=True)
+    torch.testing.assert_close(g, 3 * x.detach() ** 2)  # the first order stays right
+    with pytest.raises(RuntimeError, match="first order only"):
+        g.sum().backward()
+
+
 @pytest.mark.skipif(not have("jax"), reason="jax is not installed")
 def test_jax_tracers_need_a_handler():
     import jax

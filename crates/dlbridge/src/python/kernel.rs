@@ -36,7 +36,9 @@ pub struct KernelDef<'a> {
     pub attrs: &'a [(&'a str, &'a str)],
     /// Tensor parameters written in place.
     pub mutates: &'a [&'a str],
-    /// The XLA FFI handler (CPU) that runs the kernel inside `jax.jit`.
+    /// The XLA FFI handler (CPU) that runs the kernel inside `jax.jit`. Its target is registered
+    /// with jax when the kernel is made (or right after jax's own import), so a deserialized
+    /// `jax.export` that calls it runs in any process that imported the extension.
     pub ffi: Option<XLA_FFI_Handler>,
     /// `jax.vmap`'s method for the FFI call (`"sequential"`, `"broadcast_all"`, ...).
     pub vmap_method: &'a str,
@@ -51,6 +53,10 @@ impl Default for KernelDef<'_> {
 /// Makes `function` (a `#[pyfunction]` of this module) a `dlbridge.kernels.Kernel` as `def` says,
 /// with `backward` (a `(kernel, args, grads)` tuple or a callable, as `dlbridge.kernels` reads
 /// it), and adds it to `module` under the function's name. Returns the kernel.
+///
+/// Without a backward, gradients through the kernel are refused, never cut off silently: torch
+/// autograd raises at backward ("no autograd formula"), `jax.grad` raises that the FFI call
+/// cannot be differentiated, and an in-place kernel refuses torch arguments that require grad.
 ///
 /// Needs the `dlbridge` Python package (`dlbridge.kernels`); without it the error says so.
 pub fn add_kernel<'py>(
