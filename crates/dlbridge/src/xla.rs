@@ -580,14 +580,14 @@ impl<'a> List<'a> {
         items: *const *mut c_void,
     ) -> Result<Self> {
         if struct_size < need {
-            return Err(list_error(what, format!("struct_size {struct_size} (at least {need} needed)")));
+            return Err(list_error(what, ListFault::Size(struct_size, need)));
         }
-        let Ok(n) = usize::try_from(size) else { return Err(list_error(what, format!("size {size}"))) };
+        let Ok(n) = usize::try_from(size) else { return Err(list_error(what, ListFault::Count(size))) };
         if n == 0 {
             return Ok(Self { kinds: &[], items: &[] });
         }
         if types.is_null() || items.is_null() || !types.is_aligned() || !items.is_aligned() {
-            return Err(list_error(what, format!("{n} entries without (aligned) arrays")));
+            return Err(list_error(what, ListFault::Arrays(n)));
         }
         // SAFETY: non-NULL, aligned, `n` entries (the caller's contract).
         Ok(unsafe {
@@ -596,10 +596,22 @@ impl<'a> List<'a> {
     }
 }
 
+/// Why a list of the frame was refused ([`List::new`]).
+enum ListFault {
+    Size(usize, usize),
+    Count(i64),
+    Arrays(usize),
+}
+
 #[cold]
 #[inline(never)]
-fn list_error(what: &str, message: String) -> FfiError {
-    FfiError::invalid_argument(format!("{what}: {message}"))
+fn list_error(what: &str, fault: ListFault) -> FfiError {
+    let m = match fault {
+        ListFault::Size(size, need) => format!("struct_size {size} (at least {need} needed)"),
+        ListFault::Count(size) => format!("size {size}"),
+        ListFault::Arrays(n) => format!("{n} entries without (aligned) arrays"),
+    };
+    FfiError::invalid_argument(format!("{what}: {m}"))
 }
 
 /// One call of a handler: the frame, checked.
