@@ -62,7 +62,7 @@ lint: $(STAMP) ## cargo fmt --check and clippy -D warnings
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
 rust-test: $(STAMP) ## every Rust test, all features
-	$(CARGO) test --workspace --all-features
+	DLBRIDGE_REQUIRE_XLA_HEADERS=1 $(CARGO) test --workspace --all-features
 
 # Miri (default Stacked Borrows) over the crate's core: every unit, integration and doc test of
 # everything that does not call into libpython (managed, export, view, layout, ndarray, dtype,

@@ -163,7 +163,7 @@ fn round_trip<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
 dlbridge::xla_handler! {
     /// An XLA FFI handler with an empty body: its operand and result decoded, nothing computed
     /// (the bench's C++ twin binds `Arg<AnyBuffer>().Ret<AnyBuffer>()` and returns success).
-    fn empty_xla(call) {
+    fn empty_xla(call, operands: 1, results: 1) {
         let _x = call.input_any(0, "x")?;
         let _out = call.output_any(0, "out")?;
         Ok(())

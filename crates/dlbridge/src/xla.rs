@@ -6,7 +6,9 @@
 //! operands ([`Call::input`] → [`BufferRef`]) and results ([`Call::output`] → [`BufferMut`]) with
 //! the constraint vocabulary of [`TensorRef`](crate::TensorRef)/[`TensorMut`](crate::TensorMut)
 //! (element type, [`Rank`](crate::spec::Rank) or extents, device; XLA's buffers are always dense
-//! row-major, so C order), and scalar attributes by name ([`Call::attr`]). Refusals are
+//! row-major, so C order), and scalar attributes by name ([`Call::attr`]). The handler declares
+//! how many operands and results it reads and the names of its attributes ([`Signature`]); a call
+//! that passes others is refused before the body runs, as XLA's C++ binding refuses it. Refusals are
 //! [`FfiError`]s naming the argument; XLA raises them in Python (`jax.errors.JaxRuntimeError`,
 //! `INVALID_ARGUMENT: softmax_xla: x: expected float32 2-d cpu tensor, got ...`). Panics are caught
 //! and reported the same way (`INTERNAL`).
@@ -16,7 +18,7 @@
 //!
 //! dlbridge::xla_handler! {
 //!     /// `out = a * x + y` for float32 vectors.
-//!     pub fn saxpy_xla(call) {
+//!     pub fn saxpy_xla(call, operands: 2, results: 1, attrs: ["a"]) {
 //!         let a: f32 = call.attr("a")?;
 //!         let x = call.input::<f32, Rank<1>>(0, "x")?;
 //!         let y = call.input::<f32, Rank<1>>(1, "y")?;
@@ -33,7 +35,9 @@
 //!
 //! **The call frame is untrusted metadata**, like a DLPack producer's: its size and API version,
 //! every count, kind, rank, extent, dtype and pointer are checked before use, and a malformed frame
-//! is an error (never a crash). Only what cannot be checked is trusted: that the pointers XLA
+//! is an error (never a crash). The frame and the API table are read field by field through raw
+//! pointers, each once the `struct_size` its producer declared covers it (an older XLA's structs
+//! are shorter than this crate's), never as a reference to the whole struct. Only what cannot be checked is trusted: that the pointers XLA
 //! passes point where the frame says, for the call (the handler's C contract).
 //!
 //! **Borrow rules.** XLA lends its buffers for the call. An operand aliased to a result
@@ -61,44 +65,50 @@ use crate::view::{SliceMut, SliceRef};
 use crate::xla_ffi::*;
 
 /// A handler's failure: an XLA FFI error code and message (the handler's name is prefixed when
-/// it reaches XLA).
+/// it reaches XLA). One pointer wide (boxed), so a handler's `Result`s stay small on the path
+/// where nothing fails.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FfiError {
+pub struct FfiError(Box<ErrorInner>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ErrorInner {
     code: XLA_FFI_Error_Code,
     message: String,
 }
 
 impl FfiError {
     /// An error of `code` saying `message`.
+    #[cold]
     pub fn new(code: XLA_FFI_Error_Code, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self(Box::new(ErrorInner { code, message: message.into() }))
     }
 
     /// `INVALID_ARGUMENT` saying `message`.
+    #[cold]
     pub fn invalid_argument(message: impl Into<String>) -> Self {
         Self::new(XLA_FFI_Error_Code::INVALID_ARGUMENT, message)
     }
 
     /// The code.
     pub fn code(&self) -> XLA_FFI_Error_Code {
-        self.code
+        self.0.code
     }
 
     /// The message.
     pub fn message(&self) -> &str {
-        &self.message
+        &self.0.message
     }
 
     /// This error with `name: ` before its message (the argument it is about).
     pub fn about(mut self, name: &str) -> Self {
-        self.message = format!("{name}: {}", self.message);
+        self.0.message = format!("{name}: {}", self.0.message);
         self
     }
 }
 
 impl fmt::Display for FfiError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
+        f.write_str(&self.0.message)
     }
 }
 
@@ -147,21 +157,91 @@ pub fn data_type(t: XLA_FFI_DataType) -> Option<DataType> {
     })
 }
 
+/// What a handler reads, declared in [`xla_handler!`](crate::xla_handler) and checked against
+/// every call frame before the body runs, as XLA's C++ binding checks its bound signature: the
+/// number of operands, the number of results, and the names of the attributes. A call with more
+/// (or fewer) operands or results, or with an attribute the handler does not read (or without one
+/// it reads), is refused with an error naming what differs, so no result is ever left unwritten
+/// because the caller of `jax.ffi.ffi_call` passed more than the body takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Signature {
+    operands: usize,
+    results: usize,
+    attrs: &'static [&'static str],
+}
+
+impl Signature {
+    /// `operands` operands, `results` results, the attributes named `attrs` (in any order; each
+    /// name once: a repeated name fails to compile when this is evaluated in a `const`, as
+    /// [`xla_handler!`](crate::xla_handler) does).
+    ///
+    /// ```compile_fail,E0080
+    /// const S: dlbridge::xla::Signature = dlbridge::xla::Signature::new(1, 1, &["eps", "eps"]);
+    /// ```
+    pub const fn new(operands: usize, results: usize, attrs: &'static [&'static str]) -> Self {
+        let mut i = 0;
+        while i < attrs.len() {
+            let mut j = i + 1;
+            while j < attrs.len() {
+                assert!(!bytes_eq(attrs[i].as_bytes(), attrs[j].as_bytes()), "an attribute named twice");
+                j += 1;
+            }
+            i += 1;
+        }
+        Self { operands, results, attrs }
+    }
+
+    /// The number of operands.
+    pub const fn operands(&self) -> usize {
+        self.operands
+    }
+
+    /// The number of results.
+    pub const fn results(&self) -> usize {
+        self.results
+    }
+
+    /// The attributes' names.
+    pub const fn attrs(&self) -> &'static [&'static str] {
+        self.attrs
+    }
+}
+
+const fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// Runs a handler's `body` over the call frame XLA passed (what [`xla_handler!`](crate::xla_handler) expands to), on
-/// the CPU platform: checks the frame, answers XLA's metadata query, catches panics, and turns an
-/// error into an XLA FFI error whose message starts with `name`.
+/// the CPU platform: checks the frame and `signature`, answers XLA's metadata query, catches
+/// panics, and turns an error into an XLA FFI error whose message starts with `name`.
 ///
 /// # Safety
 ///
 /// `frame` is NULL or points to a call frame XLA made for this call: every non-NULL pointer in it
-/// (and in what it points to) points to what the XLA FFI C API says, valid for the call; buffers
-/// are not accessed by anything else during the call (XLA's contract with a handler).
-pub unsafe fn handle<F>(frame: *mut XLA_FFI_CallFrame, name: &str, body: F) -> *mut XLA_FFI_Error
+/// (and in what it points to) points to what the XLA FFI C API says, valid for the call, for at
+/// least the `struct_size` bytes it declares; buffers are not accessed by anything else during the
+/// call (XLA's contract with a handler).
+pub unsafe fn handle<F>(
+    frame: *mut XLA_FFI_CallFrame,
+    name: &str,
+    signature: &Signature,
+    body: F,
+) -> *mut XLA_FFI_Error
 where
     F: FnOnce(&mut Call<'_>) -> Result<()>,
 {
     // SAFETY: the caller's contract.
-    unsafe { handle_on(frame, name, Platform::Cpu, body) }
+    unsafe { handle_on(frame, name, Platform::Cpu, signature, body) }
 }
 
 /// [`handle`] for a handler registered on the CUDA platform: buffers are CUDA memory of the call's
@@ -170,12 +250,17 @@ where
 /// # Safety
 ///
 /// As [`handle`].
-pub unsafe fn handle_cuda<F>(frame: *mut XLA_FFI_CallFrame, name: &str, body: F) -> *mut XLA_FFI_Error
+pub unsafe fn handle_cuda<F>(
+    frame: *mut XLA_FFI_CallFrame,
+    name: &str,
+    signature: &Signature,
+    body: F,
+) -> *mut XLA_FFI_Error
 where
     F: FnOnce(&mut Call<'_>) -> Result<()>,
 {
     // SAFETY: the caller's contract.
-    unsafe { handle_on(frame, name, Platform::Cuda, body) }
+    unsafe { handle_on(frame, name, Platform::Cuda, signature, body) }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -184,17 +269,77 @@ enum Platform {
     Cuda,
 }
 
-/// The API table, once its size and version are checked: what can report errors.
+/// The API table, as far as its `struct_size` reaches. No reference to an `XLA_FFI_Api` is ever
+/// made: a table of an older XLA is smaller than the struct, so each field is read through the raw
+/// pointer once `size` covers it ([`api_field!`]). A table that does not reach every function
+/// dlbridge may call to make or free an error (or a NULL one) is kept as size 0: nothing in it is
+/// read, and no error can be made.
 #[derive(Clone, Copy)]
-struct Api<'a>(&'a XLA_FFI_Api);
+struct Api<'a> {
+    table: *const XLA_FFI_Api,
+    size: usize,
+    _frame: PhantomData<&'a XLA_FFI_CallFrame>,
+}
 
-/// The end of the API table's fields dlbridge reads, for a table `struct_size` must cover.
+/// The end of the API table's fields an error needs (made, read, freed): a table reaching less is
+/// unusable.
 const API_NEEDS: usize =
     std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Error_Destroy) + size_of::<Option<XLA_FFI_Error_Destroy>>();
 
+/// Field `$field` of the API table `$api` (an `Option` of a function pointer), or `None` when
+/// the table's size does not cover it.
+macro_rules! api_field {
+    ($api:expr, $field:ident) => {{
+        let api: Api<'_> = $api;
+        if api.size >= std::mem::offset_of!(XLA_FFI_Api, $field) + size_of::<*const c_void>() {
+            // SAFETY: a non-NULL, aligned table of `size` bytes (Api::new), which cover the field;
+            // read through the raw pointer, no reference to the whole struct made.
+            unsafe { (&raw const (*api.table).$field).read() }
+        } else {
+            None
+        }
+    }};
+}
+
+// Every field read by api_field! is one pointer wide.
+const _: () = {
+    assert!(size_of::<Option<XLA_FFI_Error_Create>>() == size_of::<*const c_void>());
+    assert!(size_of::<Option<XLA_FFI_Stream_Get>>() == size_of::<*const c_void>());
+    assert!(size_of::<Option<XLA_FFI_DeviceOrdinal_Get>>() == size_of::<*const c_void>());
+};
+
 impl Api<'_> {
+    /// No table: nothing can be read or reported.
+    const NONE: Self = Self { table: std::ptr::null(), size: 0, _frame: PhantomData };
+
+    /// # Safety
+    ///
+    /// `table` is NULL or points to an API table of at least the `struct_size` bytes it declares.
+    #[inline]
+    unsafe fn new(table: *const XLA_FFI_Api) -> Self {
+        if table.is_null() || !table.is_aligned() {
+            return Self::NONE;
+        }
+        // SAFETY: a non-NULL, aligned table; its first field exists in every version.
+        let size = unsafe { (&raw const (*table).struct_size).read() };
+        if size < API_NEEDS { Self::NONE } else { Self { table, size, _frame: PhantomData } }
+    }
+
+    /// The API version XLA implements (`None`: no usable table).
+    #[inline]
+    fn major_version(self) -> Option<(i32, i32)> {
+        if self.size == 0 {
+            return None;
+        }
+        // SAFETY: `api_version` lies below API_NEEDS, which a usable table covers.
+        let v = unsafe { (&raw const (*self.table).api_version).read() };
+        Some((v.major_version, v.minor_version))
+    }
+
+    #[cold]
+    #[inline(never)]
     fn error(self, code: XLA_FFI_Error_Code, message: &str) -> *mut XLA_FFI_Error {
-        let Some(create) = self.0.XLA_FFI_Error_Create else { return std::ptr::null_mut() };
+        let Some(create) = api_field!(self, XLA_FFI_Error_Create) else { return std::ptr::null_mut() };
         let message = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
         let mut args = XLA_FFI_Error_Create_Args {
             struct_size: XLA_FFI_Error_Create_Args_STRUCT_SIZE,
@@ -207,79 +352,113 @@ impl Api<'_> {
     }
 }
 
+/// The end of the frame's `$field`: the frame's `struct_size` must reach it before it is read.
+macro_rules! frame_end {
+    ($field:ident) => {
+        std::mem::offset_of!(XLA_FFI_CallFrame, $field) + size_of::<*const c_void>()
+    };
+}
+
+/// How many extensions of a frame's chain are looked at for the metadata query (the chain is
+/// untrusted: a cycle must not hang the handler).
+const MAX_EXTENSIONS: usize = 16;
+
+#[inline(always)]
 unsafe fn handle_on<F>(
     frame: *mut XLA_FFI_CallFrame,
     name: &str,
     platform: Platform,
+    signature: &Signature,
     body: F,
 ) -> *mut XLA_FFI_Error
 where
     F: FnOnce(&mut Call<'_>) -> Result<()>,
 {
-    // Without a usable API table no error can be made: nothing is read or written, and NULL (the
-    // only answer left) is returned.
-    if frame.is_null() {
+    // Every field is read through the raw pointer once the frame's `struct_size` covers it: a
+    // frame of an older XLA is smaller than the struct, so no reference to the whole frame is made.
+    if frame.is_null() || !frame.is_aligned() {
         return std::ptr::null_mut();
     }
     // SAFETY: a call frame (the caller's contract); its first field exists in every version.
-    let frame_size = unsafe { (*frame).struct_size };
-    // SAFETY: as above: `api` lies within every version's frame.
-    let api_ptr = unsafe { (*frame).api };
-    if api_ptr.is_null() || frame_size < std::mem::offset_of!(XLA_FFI_CallFrame, ctx) {
-        return std::ptr::null_mut();
-    }
-    // SAFETY: a non-NULL API table; its `struct_size` is read first, and fields only below it.
-    let api_size = unsafe { (*api_ptr).struct_size };
-    if api_size < API_NEEDS {
-        return std::ptr::null_mut();
-    }
-    // SAFETY: as above; the table covers every field Api reads.
-    let api = Api(unsafe { &*api_ptr });
-    let v = api.0.api_version;
-    if v.major_version != XLA_FFI_API_MAJOR {
-        return api.error(
-            XLA_FFI_Error_Code::FAILED_PRECONDITION,
-            &format!(
-                "{name}: XLA FFI API {}.{} (this handler implements {XLA_FFI_API_MAJOR}.{XLA_FFI_API_MINOR})",
-                v.major_version, v.minor_version
-            ),
-        );
-    }
-    if frame_size < XLA_FFI_CallFrame_STRUCT_SIZE {
-        return api.error(
-            XLA_FFI_Error_Code::INVALID_ARGUMENT,
-            &format!(
-                "{name}: call frame of {frame_size} bytes (at least {XLA_FFI_CallFrame_STRUCT_SIZE} needed)"
-            ),
-        );
-    }
-    // SAFETY: the frame covers every field up to `attrs` (checked), which is all Call reads.
-    let frame = unsafe { &*frame };
-    if !frame.extension_start.is_null() {
-        // SAFETY: an extension chain head (the C API's contract).
-        let ext = unsafe { &*frame.extension_start };
-        if ext.type_ == XLA_FFI_Extension_Type::METADATA {
-            // SAFETY: a metadata extension (its type says so), checked for size before use.
-            return unsafe { write_metadata(api, name, frame.extension_start.cast()) };
+    let frame_size = unsafe { (&raw const (*frame).struct_size).read() };
+    let api = if frame_size >= frame_end!(api) {
+        // SAFETY: covered by the frame's size; the table is the caller's contract.
+        unsafe { Api::new((&raw const (*frame).api).read()) }
+    } else {
+        Api::NONE
+    };
+    if frame_size >= frame_end!(extension_start) {
+        // SAFETY: covered by the frame's size.
+        let ext = unsafe { (&raw const (*frame).extension_start).read() };
+        if !ext.is_null() {
+            // The metadata query: answered without the API table (some XLA builds send none);
+            // only its errors need one.
+            // SAFETY: an extension chain (the C API's contract).
+            if let Some(answer) = unsafe { metadata_query(api, name, ext) } {
+                return answer;
+            }
         }
     }
-    if frame.stage != XLA_FFI_ExecutionStage::EXECUTE {
-        return api.error(
-            XLA_FFI_Error_Code::INVALID_ARGUMENT,
-            &format!("{name}: called at execution stage {} (an execute handler)", frame.stage.0),
-        );
+    // Without a usable API table no error can be made: nothing is read or written, and NULL (the
+    // only answer left) is returned.
+    let Some((major, minor)) = api.major_version() else { return std::ptr::null_mut() };
+    if major != XLA_FFI_API_MAJOR {
+        return refuse(api, name, FrameFault::Version(major, minor));
+    }
+    if frame_size < XLA_FFI_CallFrame_STRUCT_SIZE {
+        return refuse(api, name, FrameFault::Size(frame_size));
+    }
+    // SAFETY: covered by the frame's size (checked just above).
+    let stage = unsafe { (&raw const (*frame).stage).read() };
+    if stage != XLA_FFI_ExecutionStage::EXECUTE {
+        return refuse(api, name, FrameFault::Stage(stage.0));
     }
     let run = || -> Result<()> {
-        let mut call = Call::new(frame, api, platform)?;
+        // SAFETY: the frame covers XLA_FFI_CallFrame_STRUCT_SIZE bytes (checked), the rest is the
+        // caller's contract.
+        let mut call = unsafe { Call::new(frame, api, platform, signature) }?;
         body(&mut call)
     };
     match catch_unwind(AssertUnwindSafe(run)) {
         Ok(Ok(())) => std::ptr::null_mut(),
-        Ok(Err(e)) => api.error(e.code, &format!("{name}: {}", e.message)),
-        Err(panic) => {
-            api.error(XLA_FFI_Error_Code::INTERNAL, &format!("{name}: panicked: {}", panic_message(&*panic)))
-        }
+        Ok(Err(e)) => refuse(api, name, FrameFault::Body(e)),
+        Err(panic) => refuse(api, name, FrameFault::Panic(panic)),
     }
+}
+
+/// Why a call was refused before (or by) its body, made into XLA's error off the hot path.
+enum FrameFault {
+    Version(i32, i32),
+    Size(usize),
+    Stage(i32),
+    Body(FfiError),
+    Panic(Box<dyn Any + Send>),
+}
+
+#[cold]
+#[inline(never)]
+fn refuse(api: Api<'_>, name: &str, fault: FrameFault) -> *mut XLA_FFI_Error {
+    let (code, message) = match fault {
+        FrameFault::Version(major, minor) => (
+            XLA_FFI_Error_Code::FAILED_PRECONDITION,
+            format!(
+                "XLA FFI API {major}.{minor} (this handler implements {XLA_FFI_API_MAJOR}.{XLA_FFI_API_MINOR})"
+            ),
+        ),
+        FrameFault::Size(size) => (
+            XLA_FFI_Error_Code::INVALID_ARGUMENT,
+            format!("call frame of {size} bytes (at least {XLA_FFI_CallFrame_STRUCT_SIZE} needed)"),
+        ),
+        FrameFault::Stage(stage) => (
+            XLA_FFI_Error_Code::INVALID_ARGUMENT,
+            format!("called at execution stage {stage} (an execute handler)"),
+        ),
+        FrameFault::Body(e) => (e.code(), e.0.message),
+        FrameFault::Panic(panic) => {
+            (XLA_FFI_Error_Code::INTERNAL, format!("panicked: {}", panic_message(&*panic)))
+        }
+    };
+    api.error(code, &format!("{name}: {message}"))
 }
 
 fn panic_message(p: &(dyn Any + Send)) -> &str {
@@ -289,18 +468,63 @@ fn panic_message(p: &(dyn Any + Send)) -> &str {
         .unwrap_or("(no message)")
 }
 
-/// Answers XLA's metadata query: the API version this handler was built for, no traits.
+/// Looks for the metadata extension in the frame's extension chain and answers it: `None` when
+/// there is none (a call to run), else what the handler returns.
 ///
 /// # Safety
 ///
-/// `ext` points to a metadata extension (of at least an extension head's size).
+/// `ext` is the non-NULL head of an extension chain (each link of at least the size it declares).
+#[cold]
+#[inline(never)]
+unsafe fn metadata_query(
+    api: Api<'_>,
+    name: &str,
+    mut ext: *mut XLA_FFI_Extension_Base,
+) -> Option<*mut XLA_FFI_Error> {
+    for _ in 0..MAX_EXTENSIONS {
+        if ext.is_null() {
+            return None;
+        }
+        if !ext.is_aligned() {
+            return Some(
+                api.error(XLA_FFI_Error_Code::INVALID_ARGUMENT, &format!("{name}: a misaligned extension")),
+            );
+        }
+        // SAFETY: an extension (the caller's contract); its size is read first, the rest once covered.
+        let size = unsafe { (&raw const (*ext).struct_size).read() };
+        if size < XLA_FFI_Extension_Base_STRUCT_SIZE {
+            return Some(api.error(
+                XLA_FFI_Error_Code::INVALID_ARGUMENT,
+                &format!("{name}: an extension of {size} bytes"),
+            ));
+        }
+        // SAFETY: covered by the size just checked.
+        let (kind, next) = unsafe { ((&raw const (*ext).type_).read(), (&raw const (*ext).next).read()) };
+        if kind == XLA_FFI_Extension_Type::METADATA {
+            // SAFETY: a metadata extension (its type says so), checked for size before use.
+            return Some(unsafe { write_metadata(api, name, ext.cast()) });
+        }
+        ext = next;
+    }
+    Some(api.error(
+        XLA_FFI_Error_Code::INVALID_ARGUMENT,
+        &format!("{name}: more than {MAX_EXTENSIONS} extensions in the call frame"),
+    ))
+}
+
+/// Answers XLA's metadata query: the API version this handler was built for, no traits. `api`
+/// only reports errors (a NULL table: the query is answered all the same, its errors are NULL).
+///
+/// # Safety
+///
+/// `ext` points to a metadata extension (of at least an extension head's size, checked).
 unsafe fn write_metadata(
     api: Api<'_>,
     name: &str,
     ext: *mut XLA_FFI_Metadata_Extension,
 ) -> *mut XLA_FFI_Error {
     // SAFETY: the head exists (the caller's contract); the rest only once its size says so.
-    let size = unsafe { (*ext).extension_base.struct_size };
+    let size = unsafe { (&raw const (*ext).extension_base.struct_size).read() };
     if size < XLA_FFI_Metadata_Extension_STRUCT_SIZE {
         return api.error(
             XLA_FFI_Error_Code::INVALID_ARGUMENT,
@@ -308,28 +532,29 @@ unsafe fn write_metadata(
         );
     }
     // SAFETY: covered by the size just checked.
-    let metadata = unsafe { (*ext).metadata };
-    if metadata.is_null() {
+    let metadata = unsafe { (&raw const (*ext).metadata).read() };
+    if metadata.is_null() || !metadata.is_aligned() {
         return api.error(
             XLA_FFI_Error_Code::INVALID_ARGUMENT,
-            &format!("{name}: metadata extension without metadata"),
+            &format!("{name}: metadata extension without (aligned) metadata"),
         );
     }
-    // SAFETY: non-NULL metadata; its size is read first.
-    let msize = unsafe { (*metadata).struct_size };
+    // SAFETY: non-NULL, aligned metadata; its size is read first.
+    let msize = unsafe { (&raw const (*metadata).struct_size).read() };
     if msize < XLA_FFI_Metadata_STRUCT_SIZE {
         return api
             .error(XLA_FFI_Error_Code::INVALID_ARGUMENT, &format!("{name}: metadata of {msize} bytes"));
     }
-    // SAFETY: the fields written lie below XLA_FFI_Metadata_STRUCT_SIZE (checked).
+    // SAFETY: the fields written lie below XLA_FFI_Metadata_STRUCT_SIZE (checked), written through
+    // the raw pointer (the struct may end before `state_type_id`).
     unsafe {
-        (*metadata).api_version = XLA_FFI_Api_Version {
+        (&raw mut (*metadata).api_version).write(XLA_FFI_Api_Version {
             struct_size: XLA_FFI_Api_Version_STRUCT_SIZE,
             extension_start: std::ptr::null_mut(),
             major_version: XLA_FFI_API_MAJOR,
             minor_version: XLA_FFI_API_MINOR,
-        };
-        (*metadata).traits = 0;
+        });
+        (&raw mut (*metadata).traits).write(0);
     }
     std::ptr::null_mut()
 }
@@ -345,8 +570,9 @@ impl<'a> List<'a> {
     /// # Safety
     ///
     /// `types` and `items` point to `size` entries each when `size > 0` (checked for NULL here).
+    #[inline(always)]
     unsafe fn new(
-        what: &str,
+        what: &'static str,
         struct_size: usize,
         need: usize,
         size: i64,
@@ -354,23 +580,38 @@ impl<'a> List<'a> {
         items: *const *mut c_void,
     ) -> Result<Self> {
         if struct_size < need {
-            return Err(FfiError::invalid_argument(format!(
-                "{what}: struct_size {struct_size} (at least {need} needed)"
-            )));
+            return Err(list_error(what, ListFault::Size(struct_size, need)));
         }
-        let n =
-            usize::try_from(size).map_err(|_| FfiError::invalid_argument(format!("{what}: size {size}")))?;
+        let Ok(n) = usize::try_from(size) else { return Err(list_error(what, ListFault::Count(size))) };
         if n == 0 {
             return Ok(Self { kinds: &[], items: &[] });
         }
         if types.is_null() || items.is_null() || !types.is_aligned() || !items.is_aligned() {
-            return Err(FfiError::invalid_argument(format!("{what}: {n} entries without (aligned) arrays")));
+            return Err(list_error(what, ListFault::Arrays(n)));
         }
         // SAFETY: non-NULL, aligned, `n` entries (the caller's contract).
         Ok(unsafe {
             Self { kinds: std::slice::from_raw_parts(types, n), items: std::slice::from_raw_parts(items, n) }
         })
     }
+}
+
+/// Why a list of the frame was refused ([`List::new`]).
+enum ListFault {
+    Size(usize, usize),
+    Count(i64),
+    Arrays(usize),
+}
+
+#[cold]
+#[inline(never)]
+fn list_error(what: &str, fault: ListFault) -> FfiError {
+    let m = match fault {
+        ListFault::Size(size, need) => format!("struct_size {size} (at least {need} needed)"),
+        ListFault::Count(size) => format!("size {size}"),
+        ListFault::Arrays(n) => format!("{n} entries without (aligned) arrays"),
+    };
+    FfiError::invalid_argument(format!("{what}: {m}"))
 }
 
 /// One call of a handler: the frame, checked.
@@ -397,8 +638,22 @@ impl fmt::Debug for Call<'_> {
 }
 
 impl<'a> Call<'a> {
-    fn new(frame: &'a XLA_FFI_CallFrame, api: Api<'a>, platform: Platform) -> Result<Self> {
-        let (a, r, t) = (&frame.args, &frame.rets, &frame.attrs);
+    /// The frame's lists, checked, and the call checked against `signature`.
+    ///
+    /// # Safety
+    ///
+    /// `frame` is aligned and covers `XLA_FFI_CallFrame_STRUCT_SIZE` bytes (its lists, embedded,
+    /// included); what it points to is as the C API says, for `'a`.
+    #[inline(always)]
+    unsafe fn new(
+        frame: *const XLA_FFI_CallFrame,
+        api: Api<'a>,
+        platform: Platform,
+        signature: &Signature,
+    ) -> Result<Self> {
+        // SAFETY: the embedded lists lie below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's
+        // contract), so a reference to each covers only the frame's bytes.
+        let (a, r, t) = unsafe { (&(*frame).args, &(*frame).rets, &(*frame).attrs) };
         // SAFETY: the frame's arrays, `size` entries each (the C contract), NULL checked in List::new.
         let args = unsafe {
             List::new("args", a.struct_size, XLA_FFI_Args_STRUCT_SIZE, a.size, a.types.cast(), a.args)
@@ -421,7 +676,8 @@ impl<'a> Call<'a> {
         };
         let mut call = Self {
             api,
-            ctx: frame.ctx,
+            // SAFETY: below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's contract).
+            ctx: unsafe { (&raw const (*frame).ctx).read() },
             args,
             rets,
             attr_kinds: attrs.kinds,
@@ -429,10 +685,72 @@ impl<'a> Call<'a> {
             attr_values: attrs.items,
             device: Device::CPU,
         };
+        call.check_signature(signature)?;
         if platform == Platform::Cuda {
             call.device = Device::new(DeviceType::CUDA, call.device_ordinal()?);
         }
         Ok(call)
+    }
+
+    /// The call against what the handler reads: as many operands and results, and the same
+    /// attributes.
+    #[inline]
+    fn check_signature(&self, s: &Signature) -> Result<()> {
+        if self.args.items.len() != s.operands {
+            return Err(self.count_error("operands", s.operands, self.args.items.len()));
+        }
+        if self.rets.items.len() != s.results {
+            return Err(self.count_error("results", s.results, self.rets.items.len()));
+        }
+        if self.attr_names.len() != s.attrs.len() {
+            return Err(self.attrs_error(s));
+        }
+        // As many as declared, and every declared name (distinct: Signature::new) among them: the
+        // same set.
+        'declared: for a in s.attrs {
+            for i in 0..self.attr_names.len() {
+                if self.attr_name(i)? == a.as_bytes() {
+                    continue 'declared;
+                }
+            }
+            return Err(self.attrs_error(s));
+        }
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn count_error(&self, what: &str, expected: usize, got: usize) -> FfiError {
+        FfiError::invalid_argument(format!(
+            "wrong number of {what}: expected {expected}, got {got} (the handler reads {expected})"
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn attrs_error(&self, s: &Signature) -> FfiError {
+        let got: Vec<String> = (0..self.attr_names.len())
+            .map(|i| {
+                self.attr_name(i)
+                    .map_or_else(|e| e.message().to_owned(), |b| String::from_utf8_lossy(b).into_owned())
+            })
+            .collect();
+        let list = |v: &[&str]| if v.is_empty() { "none".to_owned() } else { v.join(", ") };
+        let got_refs: Vec<&str> = got.iter().map(String::as_str).collect();
+        let unexpected: Vec<&str> = got_refs.iter().copied().filter(|g| !s.attrs.contains(g)).collect();
+        let missing: Vec<&str> = s.attrs.iter().copied().filter(|a| !got_refs.contains(a)).collect();
+        let mut m = format!(
+            "wrong attributes: the handler reads {}, the call has {}",
+            list(s.attrs),
+            list(&got_refs)
+        );
+        if !unexpected.is_empty() {
+            m += &format!(" (unexpected: {})", unexpected.join(", "));
+        }
+        if !missing.is_empty() {
+            m += &format!(" (missing: {})", missing.join(", "));
+        }
+        FfiError::invalid_argument(m)
     }
 
     /// The number of operands.
@@ -452,11 +770,13 @@ impl<'a> Call<'a> {
 
     /// Operand `index` (named `name` in errors), of any type: dispatch on [`AnyBuffer::dtype`],
     /// then [`AnyBuffer::typed`].
+    #[inline]
     pub fn input_any(&self, index: usize, name: &'static str) -> Result<AnyBuffer<'a>> {
         self.buffer(self.args, index, name, false)
     }
 
     /// Result `index` (named `name` in errors), of any type.
+    #[inline]
     pub fn output_any(&self, index: usize, name: &'static str) -> Result<AnyBuffer<'a>> {
         self.buffer(self.rets, index, name, true)
     }
@@ -479,96 +799,84 @@ impl<'a> Call<'a> {
         self.output_any(index, name)?.typed_mut()
     }
 
+    #[inline(always)]
     fn buffer(&self, list: List<'a>, index: usize, name: &'static str, out: bool) -> Result<AnyBuffer<'a>> {
-        let what = if out { "result" } else { "operand" };
+        // The checks, in order; each refusal is made by a cold function, so this path keeps no
+        // message's arguments around.
         let (Some(&kind), Some(&ptr)) = (list.kinds.get(index), list.items.get(index)) else {
-            return Err(FfiError::invalid_argument(format!(
-                "{name}: no {what} {index} (the call has {})",
-                list.items.len()
-            )));
+            return Err(BufferFault::Missing(list.items.len()).error(name, out, index));
         };
         if kind != XLA_FFI_ArgType::BUFFER.0 {
-            return Err(FfiError::invalid_argument(format!(
-                "{name}: {what} {index} is of kind {kind}, not a buffer"
-            )));
+            return Err(BufferFault::Kind(kind).error(name, out, index));
         }
         let buf = ptr.cast::<XLA_FFI_Buffer>();
         if buf.is_null() || !buf.is_aligned() {
-            return Err(FfiError::invalid_argument(format!(
-                "{name}: {what} {index} is a NULL or misaligned buffer"
-            )));
+            return Err(BufferFault::Null.error(name, out, index));
         }
         // SAFETY: a buffer (its kind says so): its size field first, the rest once covered.
         let size = unsafe { (*buf).struct_size };
         if size < XLA_FFI_Buffer_STRUCT_SIZE {
-            return Err(FfiError::invalid_argument(format!(
-                "{name}: buffer struct_size {size} (at least {XLA_FFI_Buffer_STRUCT_SIZE} needed)"
-            )));
+            return Err(BufferFault::Size(size).error(name, out, index));
         }
-        // SAFETY: covered by the size just checked.
+        // SAFETY: covered by the size just checked (XLA_FFI_Buffer_STRUCT_SIZE is the whole struct).
         let b = unsafe { &*buf };
-        let dtype = data_type(b.dtype).ok_or_else(|| {
-            FfiError::invalid_argument(format!(
-                "{name}: XLA element type {} has no DLPack equivalent",
-                b.dtype.0
-            ))
-        })?;
-        let rank = usize::try_from(b.rank).ok().filter(|&r| r <= MAX_NDIM).ok_or_else(|| {
-            FfiError::invalid_argument(format!("{name}: rank {} (0..={MAX_NDIM} allowed)", b.rank))
-        })?;
+        let Some(dtype) = data_type(b.dtype) else {
+            return Err(BufferFault::Dtype(b.dtype.0).error(name, out, index));
+        };
+        let rank = b.rank as usize;
+        if b.rank < 0 || rank > MAX_NDIM {
+            return Err(BufferFault::Rank(b.rank).error(name, out, index));
+        }
         let shape: &'a [i64] = if rank == 0 {
             &[]
         } else if b.dims.is_null() || !b.dims.is_aligned() {
-            return Err(FfiError::invalid_argument(format!(
-                "{name}: rank {rank} with NULL or misaligned dims"
-            )));
+            return Err(BufferFault::Dims(rank).error(name, out, index));
         } else {
             // SAFETY: non-NULL, aligned, `rank` extents (the C contract), read-only for the call.
             unsafe { std::slice::from_raw_parts(b.dims, rank) }
         };
-        if let Some(&d) = shape.iter().find(|&&d| d < 0) {
-            return Err(FfiError::invalid_argument(format!("{name}: negative extent {d} in {shape:?}")));
-        }
-        let numel = layout::element_count(shape)
-            .ok()
-            .and_then(|n| usize::try_from(n).ok())
-            .filter(|&n| {
-                n.checked_mul(dtype.storage_bits(false).div_ceil(8) as usize)
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            })
-            .ok_or_else(|| {
-                FfiError::invalid_argument(format!("{name}: extents {shape:?} exceed the address space"))
-            })?;
-        let data = b.data;
-        if numel > 0 {
-            let bytes = numel * dtype.storage_bits(false).div_ceil(8) as usize;
-            if data.is_null() || (data as usize).checked_add(bytes).is_none() {
-                return Err(FfiError::invalid_argument(format!(
-                    "{name}: {numel} elements at address {data:p}"
-                )));
+        // One pass over the extents: a negative one is an error wherever it is; a zero makes the
+        // count 0 (an overflowing product of the others is then irrelevant); else elements and
+        // bytes stay within isize.
+        let mut numel: usize = 1;
+        let (mut negative, mut zero, mut overflow) = (false, false, false);
+        for &d in shape {
+            negative |= d < 0;
+            zero |= d == 0;
+            match numel.checked_mul(d as usize) {
+                Some(n) if n <= isize::MAX as usize => numel = n,
+                _ => overflow = true,
             }
+        }
+        if negative {
+            return Err(BufferFault::Negative(shape).error(name, out, index));
+        }
+        let itemsize = dtype.storage_bits(false).div_ceil(8) as usize;
+        let bytes = if zero {
+            numel = 0;
+            0
+        } else {
+            match numel.checked_mul(itemsize) {
+                Some(bytes) if !overflow && bytes <= isize::MAX as usize => bytes,
+                _ => return Err(BufferFault::Extents(shape).error(name, out, index)),
+            }
+        };
+        let data = b.data;
+        if bytes > 0 && (data.is_null() || (data as usize).checked_add(bytes).is_none()) {
+            return Err(BufferFault::Data(numel, data).error(name, out, index));
         }
         Ok(AnyBuffer { name, dtype, data, shape, numel, device: self.device, writable: out })
     }
 
     /// Scalar or string attribute `name`, decoded as `T` ([`FromAttr`]).
     pub fn attr<T: FromAttr<'a>>(&self, name: &str) -> Result<T> {
-        for ((&kind, &n), &value) in self.attr_kinds.iter().zip(self.attr_names).zip(self.attr_values) {
-            if n.is_null() || !n.is_aligned() {
-                return Err(FfiError::invalid_argument("attrs: a NULL name"));
-            }
-            // SAFETY: a non-NULL, aligned byte span (the C contract).
-            let span = unsafe { &*n };
-            let bytes: &[u8] = if span.len == 0 {
-                &[]
-            } else if span.ptr.is_null() {
-                return Err(FfiError::invalid_argument("attrs: a name without bytes"));
-            } else {
-                // SAFETY: `len` bytes at `ptr` (the C contract).
-                unsafe { std::slice::from_raw_parts(span.ptr.cast(), span.len) }
-            };
-            if bytes == name.as_bytes() {
-                let attr = RawAttr { kind: XLA_FFI_AttrType(kind), value, _frame: PhantomData };
+        for i in 0..self.attr_names.len() {
+            if self.attr_name(i)? == name.as_bytes() {
+                let attr = RawAttr {
+                    kind: XLA_FFI_AttrType(self.attr_kinds[i]),
+                    value: self.attr_values[i],
+                    _frame: PhantomData,
+                };
                 return T::from_attr(attr).map_err(|e| e.about(&format!("attribute {name}")));
             }
         }
@@ -578,28 +886,36 @@ impl<'a> Call<'a> {
         )))
     }
 
+    /// Attribute `i`'s name (`i` below the number of attributes).
+    #[inline]
+    fn attr_name(&self, i: usize) -> Result<&'a [u8]> {
+        let n = self.attr_names[i];
+        if n.is_null() || !n.is_aligned() {
+            return Err(FfiError::invalid_argument("attrs: a NULL name"));
+        }
+        // SAFETY: a non-NULL, aligned byte span (the C contract), alive for the call.
+        let span = unsafe { &*n };
+        if span.len == 0 {
+            Ok(&[])
+        } else if span.ptr.is_null() {
+            Err(FfiError::invalid_argument("attrs: a name without bytes"))
+        } else {
+            // SAFETY: `len` bytes at `ptr` (the C contract), alive for the call.
+            Ok(unsafe { std::slice::from_raw_parts(span.ptr.cast(), span.len) })
+        }
+    }
+
     fn attr_names_list(&self) -> String {
-        let names: Vec<String> = self
-            .attr_names
-            .iter()
-            .filter(|n| !n.is_null() && n.is_aligned())
-            // SAFETY: non-NULL, aligned spans (the C contract); bytes read only when non-NULL.
-            .map(|&n| unsafe {
-                let s = &*n;
-                if s.ptr.is_null() || s.len == 0 {
-                    String::new()
-                } else {
-                    String::from_utf8_lossy(std::slice::from_raw_parts(s.ptr.cast(), s.len)).into_owned()
-                }
-            })
+        let names: Vec<String> = (0..self.attr_names.len())
+            .filter_map(|i| self.attr_name(i).ok())
+            .map(|b| String::from_utf8_lossy(b).into_owned())
             .collect();
         if names.is_empty() { "no attributes".into() } else { names.join(", ") }
     }
 
     /// The platform stream of the call (a `cudaStream_t` for a CUDA handler; NULL on CPU).
     pub fn stream(&self) -> Result<*mut c_void> {
-        let f = self
-            .api_fn(std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Stream_Get), self.api.0.XLA_FFI_Stream_Get)?;
+        let f = api_field!(self.api, XLA_FFI_Stream_Get).ok_or_else(too_old)?;
         let mut args = XLA_FFI_Stream_Get_Args {
             struct_size: XLA_FFI_Stream_Get_Args_STRUCT_SIZE,
             extension_start: std::ptr::null_mut(),
@@ -613,10 +929,7 @@ impl<'a> Call<'a> {
     }
 
     fn device_ordinal(&self) -> Result<i32> {
-        let f = self.api_fn(
-            std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_DeviceOrdinal_Get),
-            self.api.0.XLA_FFI_DeviceOrdinal_Get,
-        )?;
+        let f = api_field!(self.api, XLA_FFI_DeviceOrdinal_Get).ok_or_else(too_old)?;
         let mut args = XLA_FFI_DeviceOrdinal_Get_Args {
             struct_size: XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE,
             extension_start: std::ptr::null_mut(),
@@ -629,23 +942,13 @@ impl<'a> Call<'a> {
         Ok(args.device_ordinal)
     }
 
-    fn api_fn<F>(&self, offset: usize, f: Option<F>) -> Result<F> {
-        if self.api.0.struct_size < offset + size_of::<usize>() {
-            return Err(FfiError::new(XLA_FFI_Error_Code::UNIMPLEMENTED, "the XLA FFI API table is too old"));
-        }
-        f.ok_or_else(|| {
-            FfiError::new(XLA_FFI_Error_Code::UNIMPLEMENTED, "the XLA FFI API table lacks a function")
-        })
-    }
-
     /// Turns an error XLA's own function returned into an [`FfiError`] (and frees it).
     fn check(&self, err: *mut XLA_FFI_Error, what: &str) -> Result<()> {
         if err.is_null() {
             return Ok(());
         }
-        let api = self.api.0;
         let mut message = format!("{what}: XLA reported an error");
-        if let Some(get) = api.XLA_FFI_Error_GetMessage {
+        if let Some(get) = api_field!(self.api, XLA_FFI_Error_GetMessage) {
             let mut args = XLA_FFI_Error_GetMessage_Args {
                 struct_size: XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE,
                 extension_start: std::ptr::null_mut(),
@@ -660,7 +963,7 @@ impl<'a> Call<'a> {
                 message = format!("{what}: {}", m.to_string_lossy());
             }
         }
-        if let Some(destroy) = api.XLA_FFI_Error_Destroy {
+        if let Some(destroy) = api_field!(self.api, XLA_FFI_Error_Destroy) {
             let mut args = XLA_FFI_Error_Destroy_Args {
                 struct_size: XLA_FFI_Error_Destroy_Args_STRUCT_SIZE,
                 extension_start: std::ptr::null_mut(),
@@ -671,6 +974,50 @@ impl<'a> Call<'a> {
         }
         Err(FfiError::new(XLA_FFI_Error_Code::INTERNAL, message))
     }
+}
+
+/// Why an operand or result was refused ([`Call::buffer`]), made into its message off the hot path.
+enum BufferFault<'s> {
+    Missing(usize),
+    Kind(i32),
+    Null,
+    Size(usize),
+    Dtype(i32),
+    Rank(i64),
+    Dims(usize),
+    Negative(&'s [i64]),
+    Extents(&'s [i64]),
+    Data(usize, *mut c_void),
+}
+
+impl BufferFault<'_> {
+    #[cold]
+    #[inline(never)]
+    fn error(self, name: &str, out: bool, index: usize) -> FfiError {
+        let what = if out { "result" } else { "operand" };
+        let m = match self {
+            Self::Missing(n) => format!("no {what} {index} (the call has {n})"),
+            Self::Kind(k) => format!("{what} {index} is of kind {k}, not a buffer"),
+            Self::Null => format!("{what} {index} is a NULL or misaligned buffer"),
+            Self::Size(s) => format!("buffer struct_size {s} (at least {XLA_FFI_Buffer_STRUCT_SIZE} needed)"),
+            Self::Dtype(t) => format!("XLA element type {t} has no DLPack equivalent"),
+            Self::Rank(r) => format!("rank {r} (0..={MAX_NDIM} allowed)"),
+            Self::Dims(r) => format!("rank {r} with NULL or misaligned dims"),
+            Self::Negative(shape) => {
+                let d = shape.iter().find(|&&d| d < 0).copied().unwrap_or_default();
+                format!("negative extent {d} in {shape:?}")
+            }
+            Self::Extents(shape) => format!("extents {shape:?} exceed the address space"),
+            Self::Data(n, data) => format!("{n} elements at address {data:p}"),
+        };
+        FfiError::invalid_argument(format!("{name}: {m}"))
+    }
+}
+
+/// A function the API table does not reach (an older XLA's) or holds as NULL.
+#[cold]
+fn too_old() -> FfiError {
+    FfiError::new(XLA_FFI_Error_Code::UNIMPLEMENTED, "the XLA FFI API table lacks a function (an older XLA?)")
 }
 
 /// An attribute as the frame holds it, for [`FromAttr`].
@@ -992,12 +1339,28 @@ const _: Order = Order::C;
 /// [`XLA_FFI_Handler`](crate::xla_ffi::XLA_FFI_Handler)) for the CPU platform, or, with `cuda`
 /// before `fn`, for the CUDA platform. See [the module](crate::xla).
 ///
+/// The handler declares what it reads: `operands: N, results: M` and, when it reads attributes,
+/// `attrs: ["a", "eps"]` (a [`Signature`]). Every call is checked against it before the body runs,
+/// as XLA's C++ binding checks its bound signature: a call passing another number of operands or
+/// results, or other attributes, is refused (`INVALID_ARGUMENT: saxpy_xla: wrong number of
+/// operands: expected 2, got 3 ...`), so the body never leaves a result it did not know of
+/// unwritten. The declaration is required:
+///
+/// ```compile_fail
+/// dlbridge::xla_handler! {
+///     fn h(call) {
+///         let _ = call;
+///         Ok(())
+///     }
+/// }
+/// ```
+///
 /// The body is safe code: an unsafe operation in it needs its own `unsafe` block.
 ///
 /// ```compile_fail,E0133
 /// unsafe fn dangerous() {}
 /// dlbridge::xla_handler! {
-///     fn h(call) {
+///     fn h(call, operands: 0, results: 0) {
 ///         let _ = call;
 ///         dangerous(); // E0133: call to unsafe function requires unsafe block
 ///         Ok(())
@@ -1006,14 +1369,18 @@ const _: Order = Order::C;
 /// ```
 #[macro_export]
 macro_rules! xla_handler {
-    ($(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
-        $crate::xla_handler!(@emit handle, $(#[$m])* $vis fn $name($call) $body);
+    ($(#[$m:meta])* $vis:vis fn $name:ident(
+        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])? $(,)?
+    ) $body:block) => {
+        $crate::xla_handler!(@emit handle, ($n, $r, [$($($a),*)?]), $(#[$m])* $vis fn $name($call) $body);
     };
-    ($(#[$m:meta])* $vis:vis cuda fn $name:ident($call:ident) $body:block) => {
-        $crate::xla_handler!(@emit handle_cuda, $(#[$m])* $vis fn $name($call) $body);
+    ($(#[$m:meta])* $vis:vis cuda fn $name:ident(
+        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])? $(,)?
+    ) $body:block) => {
+        $crate::xla_handler!(@emit handle_cuda, ($n, $r, [$($($a),*)?]), $(#[$m])* $vis fn $name($call) $body);
     };
     // One expansion for both platforms: `$handle` is `xla::handle` or `xla::handle_cuda`.
-    (@emit $handle:ident, $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
+    (@emit $handle:ident, ($n:expr, $r:expr, [$($a:expr),*]), $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
         $(#[$m])*
         ///
         /// # Safety
@@ -1022,13 +1389,22 @@ macro_rules! xla_handler {
         $vis unsafe extern "C" fn $name(
             frame: *mut $crate::xla_ffi::XLA_FFI_CallFrame,
         ) -> *mut $crate::xla_ffi::XLA_FFI_Error {
+            // What the body reads, checked against the call before it runs (evaluated at compile
+            // time: an attribute named twice does not compile).
+            const SIGNATURE: $crate::xla::Signature = $crate::xla::Signature::new($n, $r, &[$($a),*]);
             // The body is a safe fn of its own (not code inside this unsafe fn or an unsafe block):
             // an unsafe call in it needs its own `unsafe` block and SAFETY line.
             fn body($call: &mut $crate::xla::Call<'_>) -> $crate::xla::Result<()> {
                 $body
             }
             // SAFETY: the contract above is the caller's (XLA's).
-            unsafe { $crate::xla::$handle(frame, stringify!($name), body) }
+            unsafe { $crate::xla::$handle(frame, stringify!($name), &SIGNATURE, body) }
         }
+    };
+    ($(#[$m:meta])* $vis:vis $(cuda)? fn $name:ident($call:ident) $body:block) => {
+        ::core::compile_error!(concat!(
+            "xla_handler!: declare what ", stringify!($name), " reads, checked against every call: ",
+            "fn ", stringify!($name), "(", stringify!($call), ", operands: N, results: M, attrs: [\"name\", ...])"
+        ));
     };
 }

@@ -250,7 +250,7 @@ fn f32s(v: &mut [f32]) -> *mut c_void {
 
 dlbridge::xla_handler! {
     /// `out = a * x + y`, float32 vectors.
-    fn saxpy(call) {
+    fn saxpy(call, operands: 2, results: 1, attrs: ["a"]) {
         let a: f32 = call.attr("a")?;
         let x = call.input::<f32, Rank<1>>(0, "x")?;
         let y = call.input::<f32, Rank<1>>(1, "y")?;
@@ -265,7 +265,7 @@ dlbridge::xla_handler! {
 
 dlbridge::xla_handler! {
     /// In place: result 0 aliases operand 1; reads x, reads and writes the result.
-    fn saxpy_inplace(call) {
+    fn saxpy_inplace(call, operands: 2, results: 1, attrs: ["a"]) {
         let a: f32 = call.attr("a")?;
         let x = call.input::<f32, Rank<1>>(0, "x")?;
         let mut y = call.output::<f32, Rank<1>>(0, "y")?;
@@ -279,7 +279,7 @@ dlbridge::xla_handler! {
 
 dlbridge::xla_handler! {
     /// Wrong on purpose: reads operand 1 while writing result 0 (which aliases it).
-    fn saxpy_reads_aliased(call) {
+    fn saxpy_reads_aliased(call, operands: 2, results: 1, attrs: ["a"]) {
         let y_in = call.input::<f32, Rank<1>>(1, "y_in")?;
         let mut y = call.output::<f32, Rank<1>>(0, "y")?;
         let r = y_in.as_slice()?;
@@ -291,7 +291,7 @@ dlbridge::xla_handler! {
 
 dlbridge::xla_handler! {
     /// Reads attributes of every kind and checks a fixed-extent shape.
-    fn attrs(call) {
+    fn attrs(call, operands: 0, results: 1, attrs: ["eps", "n", "flag", "mode"]) {
         let eps: f64 = call.attr("eps")?;
         let n: i64 = call.attr("n")?;
         let flag: bool = call.attr("flag")?;
@@ -304,21 +304,21 @@ dlbridge::xla_handler! {
 
 dlbridge::xla_handler! {
     /// Panics.
-    fn panics(_call) {
+    fn panics(_call, operands: 0, results: 0) {
         panic!("kernel bug")
     }
 }
 
 dlbridge::xla_handler! {
     /// Returns its own error.
-    fn refuses(_call) {
+    fn refuses(_call, operands: 0, results: 0) {
         Err(FfiError::invalid_argument("x: must be sorted"))
     }
 }
 
 dlbridge::xla_handler! {
     /// A CUDA handler: reports the stream and device it was given (no memory touched).
-    cuda fn on_cuda(call) {
+    cuda fn on_cuda(call, operands: 1, results: 0) {
         let stream = call.stream()?;
         let x = call.input_any(0, "x")?.typed::<f32, Rank<1>, Cuda>()?;
         if call.input::<f32, Rank<1>>(0, "x").is_ok() {
@@ -423,7 +423,12 @@ fn attributes_are_read_by_name_and_type() {
     // Missing.
     f.attrs.truncate(2);
     f.link();
-    invalid(f.call(attrs), &["attribute n: missing (the call has eps, mode)"]);
+    invalid(
+        f.call(attrs),
+        &[
+            "attrs: wrong attributes: the handler reads eps, n, flag, mode, the call has eps, mode (missing: n, flag)",
+        ],
+    );
     // A fixed extent.
     f.attrs.push(scalar("n", XLA_FFI_DataType::S64, 7i64));
     f.attrs.push(scalar("flag", XLA_FFI_DataType::PRED, 0u8));
@@ -452,7 +457,7 @@ fn malformed_frames_are_errors() {
     );
     // Too few operands, a negative count, no arrays.
     f.frame.args.size = 1;
-    invalid(f.call(saxpy), &["saxpy: y: no operand 1 (the call has 1)"]);
+    invalid(f.call(saxpy), &["saxpy: wrong number of operands: expected 2, got 1"]);
     f.frame.args.size = -1;
     invalid(f.call(saxpy), &["args: size -1"]);
     f.frame.args.size = 2;
@@ -598,4 +603,260 @@ fn xla_element_types_map_to_dlpack() {
     assert_eq!(data_type(XLA_FFI_DataType::C128), Some(DataType::COMPLEX128));
     assert_eq!(data_type(XLA_FFI_DataType::TOKEN), None);
     assert_eq!(data_type(XLA_FFI_DataType(1000)), None);
+}
+
+// --- structs of an older XLA: shorter than this crate's, read only below their struct_size ---
+
+/// The first `size` bytes of `value` in an allocation of exactly `size` bytes, its `struct_size`
+/// (the first field) set to `size`: a struct as an older (or another) XLA lays it out, shorter
+/// than this crate's. Miri reports any read past the end.
+struct Short {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Short {
+    fn of<T>(value: &T, size: usize) -> Self {
+        assert!((size_of::<usize>()..=size_of::<T>()).contains(&size));
+        let layout = std::alloc::Layout::from_size_align(size, align_of::<T>()).unwrap();
+        // SAFETY: a layout of non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        assert!(!ptr.is_null());
+        // SAFETY: `size` bytes of `value` (at most its size) into a fresh allocation of `size`
+        // bytes; its first field is a usize (every XLA FFI struct's struct_size).
+        unsafe {
+            std::ptr::copy_nonoverlapping((value as *const T).cast::<u8>(), ptr, size);
+            ptr.cast::<usize>().write(size);
+        }
+        Short { ptr, layout }
+    }
+
+    fn as_ptr<T>(&self) -> *mut T {
+        self.ptr.cast()
+    }
+}
+
+impl Drop for Short {
+    fn drop(&mut self) {
+        // SAFETY: allocated in Short::of with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// The size of an API table that ends right after `XLA_FFI_Error_Destroy` (an XLA before the
+/// stream and device functions): all an error needs.
+const OLD_API: usize = std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Handler_Register);
+
+#[test]
+fn an_older_xlas_shorter_api_table_is_read_only_below_its_size() {
+    let (mut x, mut y, mut out) = ([1.0f32, 2.0, 3.0], [10.0f32, 20.0, 30.0], [0.0f32; 3]);
+    let mut f = saxpy_frame(&mut x, &mut y, &mut out);
+    let table = Short::of(&api(XLA_FFI_API_MAJOR), OLD_API);
+    f.frame.api = table.as_ptr();
+    // A call runs, and its errors are made through the short table.
+    f.call(saxpy).unwrap();
+    f.arg(1).dtype = XLA_FFI_DataType::F64;
+    invalid(f.call(saxpy), &["saxpy: y: expected float32 1-d"]);
+    f.arg(1).dtype = XLA_FFI_DataType::F32;
+    // A CUDA handler needs the device ordinal, a function this table does not reach.
+    let mut g = Frame::new(
+        vec![buf(XLA_FFI_DataType::F32, std::ptr::without_provenance_mut(0x1000), &[4])],
+        vec![],
+        vec![],
+    );
+    g.frame.api = table.as_ptr();
+    let (code, message) = g.call(on_cuda).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::UNIMPLEMENTED, "{message}");
+    assert!(message.starts_with("on_cuda: the XLA FFI API table lacks a function"), "{message}");
+    // A table too short to make an error with (up to the version only): nothing is read past it,
+    // nothing runs, NULL comes back.
+    let tiny = Short::of(&api(XLA_FFI_API_MAJOR), std::mem::offset_of!(XLA_FFI_Api, internal_api));
+    f.frame.api = tiny.as_ptr();
+    out = [0.0; 3];
+    f.call(saxpy).unwrap();
+    drop((f, g));
+    assert_eq!(out, [0.0; 3]);
+}
+
+#[test]
+fn an_older_xlas_shorter_call_frame_is_read_only_below_its_size() {
+    let (mut x, mut y, mut out) = ([1.0f32, 2.0, 3.0], [10.0f32, 20.0, 30.0], [0.0f32; 3]);
+    let f = saxpy_frame(&mut x, &mut y, &mut out);
+    let call = |size: usize| {
+        let frame = Short::of(&f.frame, size);
+        // SAFETY: a frame of `size` bytes whose pointers point into `f`, alive for the call.
+        outcome(unsafe { saxpy(frame.as_ptr()) })
+    };
+    // The frame the header describes: up to `attrs`, without the newer `future`.
+    call(XLA_FFI_CallFrame_STRUCT_SIZE).unwrap();
+    // Shorter: an error through the API table when the frame reaches it...
+    invalid(call(std::mem::offset_of!(XLA_FFI_CallFrame, ctx)), &["saxpy: call frame of 24 bytes"]);
+    invalid(call(std::mem::offset_of!(XLA_FFI_CallFrame, args)), &["saxpy: call frame of 40 bytes"]);
+    // ... and nothing read past the frame when it does not (no table: NULL, nothing run).
+    call(std::mem::offset_of!(XLA_FFI_CallFrame, api)).unwrap();
+    call(size_of::<usize>()).unwrap();
+    drop(f);
+    assert_eq!(out, [12.0, 24.0, 36.0]);
+}
+
+// --- the metadata query ---
+
+fn metadata_ext(metadata: *mut XLA_FFI_Metadata) -> Box<XLA_FFI_Metadata_Extension> {
+    Box::new(XLA_FFI_Metadata_Extension {
+        extension_base: XLA_FFI_Extension_Base {
+            struct_size: XLA_FFI_Metadata_Extension_STRUCT_SIZE,
+            type_: XLA_FFI_Extension_Type::METADATA,
+            next: null_mut(),
+        },
+        metadata,
+    })
+}
+
+fn blank_metadata() -> *mut XLA_FFI_Metadata {
+    Box::into_raw(Box::new(XLA_FFI_Metadata {
+        struct_size: XLA_FFI_Metadata_STRUCT_SIZE,
+        api_version: XLA_FFI_Api_Version {
+            struct_size: 0,
+            extension_start: null_mut(),
+            major_version: -1,
+            minor_version: -1,
+        },
+        traits: 99,
+        state_type_id: XLA_FFI_TypeId { type_id: 0 },
+    }))
+}
+
+#[test]
+fn the_metadata_query_is_answered_without_an_api_table() {
+    // Some XLA builds send the query with a NULL API table: the answer needs none.
+    let metadata = blank_metadata();
+    let mut ext = metadata_ext(metadata);
+    let mut f = Frame::new(vec![], vec![], vec![]);
+    f.frame.api = null();
+    f.frame.extension_start = (&raw mut *ext).cast();
+    // The body never runs (it would panic, and with no table the panic could not be reported).
+    f.call(panics).unwrap();
+    // SAFETY: the box made above, read only through `metadata`.
+    let m = unsafe { &*metadata };
+    assert_eq!((m.api_version.major_version, m.api_version.minor_version), (0, 3));
+    assert_eq!(m.api_version.struct_size, XLA_FFI_Api_Version_STRUCT_SIZE);
+    assert_eq!(m.traits, 0);
+    // A metadata struct of an older XLA (up to `traits`, allocated so), in a frame that ends
+    // after its extension chain: answered, nothing read or written past either.
+    // SAFETY: read for the copy only.
+    let old = Short::of(unsafe { &*metadata }, XLA_FFI_Metadata_STRUCT_SIZE);
+    ext.metadata = old.as_ptr();
+    let frame = Short::of(&f.frame, std::mem::offset_of!(XLA_FFI_CallFrame, api));
+    // SAFETY: the frame's pointers point into `ext`, alive for the call.
+    outcome(unsafe { panics(frame.as_ptr()) }).unwrap();
+    // SAFETY: the short metadata's fields below its size.
+    let (major, traits) = unsafe {
+        let m = old.as_ptr::<XLA_FFI_Metadata>();
+        ((*m).api_version.major_version, (*m).traits)
+    };
+    assert_eq!((major, traits), (0, 0));
+    // A malformed query without a table cannot be refused (no error can be made): NULL, untouched.
+    ext.metadata = metadata;
+    // SAFETY: the box made above, written only through `metadata`.
+    unsafe { (*metadata).struct_size = 8 };
+    // SAFETY: as above.
+    unsafe { (*metadata).traits = 7 };
+    f.call(panics).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { (*metadata).traits }, 7);
+    // SAFETY: made by Box::into_raw above, freed once.
+    drop(unsafe { Box::from_raw(metadata) });
+}
+
+#[test]
+fn the_metadata_extension_is_found_anywhere_in_the_chain() {
+    let metadata = blank_metadata();
+    let mut ext = metadata_ext(metadata);
+    let mut other = Box::new(XLA_FFI_Extension_Base {
+        struct_size: XLA_FFI_Extension_Base_STRUCT_SIZE,
+        type_: XLA_FFI_Extension_Type(77),
+        next: (&raw mut *ext).cast(),
+    });
+    let mut f = Frame::new(vec![], vec![], vec![]);
+    f.frame.extension_start = &raw mut *other;
+    f.call(panics).unwrap();
+    // SAFETY: the box made above, read only through `metadata`.
+    assert_eq!(unsafe { (*metadata).api_version.minor_version }, XLA_FFI_API_MINOR);
+    // A chain without the query: the call runs. A cycle: refused, not followed forever.
+    other.next = null_mut();
+    f.frame.extension_start = &raw mut *other;
+    let (code, message) = f.call(panics).unwrap_err();
+    assert_eq!((code, message.as_str()), (XLA_FFI_Error_Code::INTERNAL, "panics: panicked: kernel bug"));
+    other.next = &raw mut *other;
+    invalid(f.call(panics), &["panics: more than 16 extensions"]);
+    // SAFETY: made by Box::into_raw above, freed once.
+    drop(unsafe { Box::from_raw(metadata) });
+}
+
+// --- arity: what the handler declared, checked before the body runs ---
+
+#[test]
+fn extra_operands_results_and_attributes_are_refused_before_the_body_runs() {
+    let (mut x, mut y, mut z, mut out, mut out2) =
+        ([1.0f32; 3], [1.0f32; 3], [1.0f32; 3], [0.0f32; 3], [0.0f32; 3]);
+    let f32s3 = |p| buf(XLA_FFI_DataType::F32, p, &[3]);
+    // One operand too many (the body would read two and ignore the third).
+    let mut f = Frame::new(
+        vec![f32s3(f32s(&mut x)), f32s3(f32s(&mut y)), f32s3(f32s(&mut z))],
+        vec![f32s3(f32s(&mut out))],
+        vec![scalar("a", XLA_FFI_DataType::F32, 2.0f32)],
+    );
+    invalid(f.call(saxpy), &["saxpy: wrong number of operands: expected 2, got 3"]);
+    drop(f);
+    // One result too many (the body would leave it unwritten).
+    let mut f = Frame::new(
+        vec![f32s3(f32s(&mut x)), f32s3(f32s(&mut y))],
+        vec![f32s3(f32s(&mut out)), f32s3(f32s(&mut out2))],
+        vec![scalar("a", XLA_FFI_DataType::F32, 2.0f32)],
+    );
+    invalid(f.call(saxpy), &["saxpy: wrong number of results: expected 1, got 2"]);
+    // Too few results.
+    f.frame.rets.size = 0;
+    invalid(f.call(saxpy), &["saxpy: wrong number of results: expected 1, got 0"]);
+    drop(f);
+    // An attribute the handler does not read; one misspelt; none.
+    let mut f = Frame::new(
+        vec![f32s3(f32s(&mut x)), f32s3(f32s(&mut y))],
+        vec![f32s3(f32s(&mut out))],
+        vec![scalar("a", XLA_FFI_DataType::F32, 2.0f32), scalar("b", XLA_FFI_DataType::F32, 1.0f32)],
+    );
+    invalid(
+        f.call(saxpy),
+        &["saxpy: wrong attributes: the handler reads a, the call has a, b (unexpected: b)"],
+    );
+    f.attrs.remove(0);
+    f.link();
+    invalid(
+        f.call(saxpy),
+        &["saxpy: wrong attributes: the handler reads a, the call has b (unexpected: b) (missing: a)"],
+    );
+    f.attrs.clear();
+    f.link();
+    invalid(f.call(saxpy), &["saxpy: wrong attributes: the handler reads a, the call has none (missing: a)"]);
+    // As many as declared, one twice and one missing: refused too.
+    let mut g = Frame::new(
+        vec![],
+        vec![buf(XLA_FFI_DataType::F64, out2.as_mut_ptr().cast(), &[0])],
+        ["eps", "eps", "n", "flag"].map(|n| scalar(n, XLA_FFI_DataType::F64, 0.5f64)).into(),
+    );
+    invalid(g.call(attrs), &["attrs: wrong attributes: ", "(missing: mode)"]);
+    drop(g);
+    // What the handler declared: it runs.
+    f.attrs.push(scalar("a", XLA_FFI_DataType::F32, 2.0f32));
+    f.link();
+    f.call(saxpy).unwrap();
+    drop(f);
+    assert_eq!(out, [3.0; 3]);
+    assert_eq!(out2, [0.0; 3]);
+}
+
+#[test]
+fn the_signature_is_what_the_handler_declared() {
+    let s = dlbridge::xla::Signature::new(2, 1, &["a", "eps"]);
+    assert_eq!((s.operands(), s.results(), s.attrs()), (2, 1, &["a", "eps"][..]));
 }

@@ -131,28 +131,13 @@ fn same_shape(what: &str, a: &[i64], b: &[i64]) -> Result<()> {
     }
 }
 
-/// XLA passes what the caller of `ffi_call` asked for: exactly the operands and results the
-/// handler reads and writes, or a result would be left unwritten.
-fn counts(call: &Call<'_>, inputs: usize, outputs: usize) -> Result<()> {
-    if call.num_inputs() == inputs && call.num_outputs() == outputs {
-        Ok(())
-    } else {
-        Err(FfiError::invalid_argument(format!(
-            "expected {inputs} operands and {outputs} results, got {} and {}",
-            call.num_inputs(),
-            call.num_outputs()
-        )))
-    }
-}
-
 fn unsupported(name: &str, dtype: DataType, allowed: &str) -> FfiError {
     FfiError::invalid_argument(format!("{name}: expected {allowed}, got {dtype}"))
 }
 
 dlbridge::xla_handler! {
     /// `saxpy` inside `jax.jit`: `out = a * x + y` (float32 or float64).
-    pub(crate) fn saxpy_xla(call) {
-        counts(call, 2, 1)?;
+    pub(crate) fn saxpy_xla(call, operands: 2, results: 1, attrs: ["a"]) {
         let a: f64 = call.attr("a")?;
         match call.input_any(0, "x")?.dtype() {
             DataType::FLOAT32 => saxpy_ffi::<f32>(call, a),
@@ -175,8 +160,7 @@ fn saxpy_ffi<T: Real>(call: &Call<'_>, a: f64) -> Result<()> {
 dlbridge::xla_handler! {
     /// `saxpy_` inside `jax.jit`: result 0 is operand `y`'s memory (input_output_aliases), so
     /// the body reads `x` and reads and writes the result.
-    pub(crate) fn saxpy_inplace_xla(call) {
-        counts(call, 2, 1)?;
+    pub(crate) fn saxpy_inplace_xla(call, operands: 2, results: 1, attrs: ["a"]) {
         let a: f32 = call.attr("a")?;
         let x = call.input::<f32, Rank<1>>(0, "x")?;
         let mut y = call.output::<f32, Rank<1>>(0, "y")?;
@@ -193,8 +177,7 @@ dlbridge::xla_handler! {
 
 dlbridge::xla_handler! {
     /// `softmax` inside `jax.jit` (float32, float64, bfloat16).
-    pub(crate) fn softmax_xla(call) {
-        counts(call, 1, 1)?;
+    pub(crate) fn softmax_xla(call, operands: 1, results: 1) {
         match call.input_any(0, "x")?.dtype() {
             DataType::FLOAT32 => softmax_ffi::<f32>(call),
             DataType::FLOAT64 => softmax_ffi::<f64>(call),
@@ -214,8 +197,7 @@ fn softmax_ffi<T: Real>(call: &Call<'_>) -> Result<()> {
 
 dlbridge::xla_handler! {
     /// `softmax_backward` inside `jax.jit`.
-    pub(crate) fn softmax_backward_xla(call) {
-        counts(call, 2, 1)?;
+    pub(crate) fn softmax_backward_xla(call, operands: 2, results: 1) {
         match call.input_any(0, "y")?.dtype() {
             DataType::FLOAT32 => softmax_backward_ffi::<f32>(call),
             DataType::FLOAT64 => softmax_backward_ffi::<f64>(call),
@@ -238,8 +220,7 @@ fn softmax_backward_ffi<T: Real>(call: &Call<'_>) -> Result<()> {
 
 dlbridge::xla_handler! {
     /// `layer_norm` inside `jax.jit` (float32 or float64).
-    pub(crate) fn layer_norm_xla(call) {
-        counts(call, 3, 1)?;
+    pub(crate) fn layer_norm_xla(call, operands: 3, results: 1, attrs: ["eps"]) {
         let eps: f64 = call.attr("eps")?;
         match call.input_any(0, "x")?.dtype() {
             DataType::FLOAT32 => layer_norm_ffi::<f32>(call, eps),

@@ -312,10 +312,7 @@ crate::xla_handler! {
     /// `out = x` on the CUDA platform, queued on the call's stream as one device-to-device copy
     /// through the driver (no device code of dlbridge's own): what the `gpu` tests run to reach
     /// the CUDA side of the XLA FFI layer (platform stream, device buffers, device ordinal).
-    cuda fn xla_copy_cuda(call) {
-        if call.num_inputs() != 1 || call.num_outputs() != 1 {
-            return Err(crate::xla::FfiError::invalid_argument("expected 1 operand and 1 result"));
-        }
+    cuda fn xla_copy_cuda(call, operands: 1, results: 1) {
         let x = call.input_any(0, "x")?;
         let out = call.output_any(0, "out")?;
         if x.dtype() != out.dtype() || x.shape() != out.shape() {
