@@ -613,8 +613,8 @@ fn unreachable(h: &Handle, path: &str, e: io::Error) -> ShmError {
                 )
             } else {
                 format!(
-                    "process {pid}, which pickled the tensor, no longer holds the segment (its pin was \
-                     claimed by an earlier unpickling and it dropped the tensor)"
+                    "process {pid}, which pickled the tensor, no longer holds the segment (an earlier \
+                     unpickling claimed the pickle's pin, or it had none, and it dropped the tensor)"
                 )
             };
             err(
@@ -1222,5 +1222,46 @@ mod tests {
         let _ = std::fs::remove_file(&dir);
         assert!(ok > 0 && refused > 0, "the race ran: {ok} opened, {refused} refused");
         assert_eq!(opens, 0, "the FIFO was opened {opens} times");
+    }
+
+    /// A child forked while another thread of its parent holds the pin list's lock takes the
+    /// lock over (its holder does not exist in the child) instead of waiting forever.
+    #[test]
+    fn the_pin_list_survives_a_fork_while_locked() {
+        let s = Segment::create(64).unwrap();
+        let (locked, unlock) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+        let holder = std::thread::spawn(move || {
+            let _g = pins();
+            locked.0.send(()).unwrap();
+            unlock.1.recv().unwrap();
+        });
+        locked.1.recv().unwrap();
+        // SAFETY: the child only pins (the lock, a Vec, a header word, a thread) and _exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = if s.pin().is_some() { 0 } else { 1 };
+            // SAFETY: leaves the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(code) };
+        }
+        unlock.0.send(()).unwrap();
+        holder.join().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut status = 0;
+        loop {
+            // SAFETY: waits for our own child without blocking.
+            if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                // SAFETY: our own child.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                panic!("the child hung on the pin list's lock");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
     }
 }
