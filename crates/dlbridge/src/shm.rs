@@ -30,9 +30,10 @@
 //! process-wide list) and counts the pin in a header word this process owns (`tag << 32 | count`,
 //! one of [`PIN_SLOTS`]); a receiver opening the handle decrements that count once, and the sender
 //! drops its pin when the count reaches 0 (a sweeper thread, which runs only while pins exist, and
-//! every pin and open). So the first receiver always gets the memory while the sender runs; a
-//! pickle never loaded keeps its memory until the sender exits (as torch's descriptor sharer
-//! does); a pickle loaded again after that gets it only while some holder still has it.
+//! every pin and open). So the first receiver always gets the memory while the sender runs (and a
+//! sender about to exit can wait for its recent pins: [`wait_for_recent_pins`]); a pickle never
+//! loaded keeps its memory until the sender exits (as torch's descriptor sharer does); a pickle
+//! loaded again after that gets it only while some holder still has it.
 //!
 //! Each process keeps one [`Segment`] per memfd it maps (a registry of live segments, looked up
 //! by identity when a handle is opened and by address when a tensor is asked whether its memory
@@ -70,7 +71,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::dtype::DataType;
 use crate::error::Result as TensorResult;
@@ -250,6 +251,8 @@ struct Pinned {
     seg: Arc<Segment>,
     slot: usize,
     tag: u32,
+    /// When it was last pinned (see [`wait_for_recent_pins`]).
+    since: Instant,
 }
 
 /// This process's pins, the pid they belong to (a forked child inherits its parent's copy, which
@@ -365,6 +368,28 @@ fn take_claimed(p: &mut Pins) -> Vec<Arc<Segment>> {
 pub fn sweep_pins() {
     let released = take_claimed(&mut pins());
     drop(released);
+}
+
+/// Waits, at most `max`, until every pin made (or renewed) less than `recent` ago has been claimed:
+/// what a process does before it exits, so that a worker that sends a shared tensor and exits at
+/// once (a `Pool` with `maxtasksperchild`, a process that puts its result on a queue and returns)
+/// does not take the memory with it before its receiver has opened it. Older pins (a pickle
+/// nobody loaded) do not delay the exit.
+pub fn wait_for_recent_pins(recent: Duration, max: Duration) {
+    let start = Instant::now();
+    loop {
+        let (released, pending) = {
+            let mut p = pins();
+            let released = take_claimed(&mut p);
+            let pending = p.list.iter().any(|e| e.since.elapsed() < recent);
+            (released, pending)
+        };
+        drop(released);
+        if !pending || start.elapsed() >= max {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// Starts the sweeper thread of this process if none runs (called with the pins locked).
@@ -812,7 +837,10 @@ impl Segment {
     pub fn pin(self: &Arc<Self>) -> Option<Pin> {
         let mut p = pins();
         let released = take_claimed(&mut p);
-        let found = p.list.iter().find(|e| Arc::ptr_eq(&e.seg, self)).map(|e| (e.slot, e.tag));
+        let found = p.list.iter_mut().find(|e| Arc::ptr_eq(&e.seg, self)).map(|e| {
+            e.since = Instant::now();
+            (e.slot, e.tag)
+        });
         let mut out = None;
         if let Some((slot, tag)) = found {
             let word = self.pin_word(slot);
@@ -841,7 +869,7 @@ impl Segment {
                     .compare_exchange(0, (u64::from(tag) << 32) | 1, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
                 {
-                    p.list.push(Pinned { seg: Arc::clone(self), slot, tag });
+                    p.list.push(Pinned { seg: Arc::clone(self), slot, tag, since: Instant::now() });
                     ensure_sweeper(&mut p);
                     out = Some(Pin { slot: slot as u8, tag });
                     break;

@@ -174,3 +174,36 @@ def hold_many(q: mp.Queue, done, n: int) -> None:
     ts = [dlbridge.shared_empty(4, "float32") for _ in range(n)]
     q.put([pickle.dumps(t) for t in ts])
     done.wait(WAIT)
+
+
+def put_and_exit(q: mp.Queue, n: int) -> None:
+    q.put(make_shared(n))  # and return at once: the process exits
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_worker_that_exits_right_after_sending_waits_for_its_receiver(method):
+    """A sender exiting at once waits (at most 2 s) until its recent pickles have been opened, so
+    the memory is not gone before the receiver looks (the receiver here reads 0.5 s later)."""
+    import time
+
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=put_and_exit, args=(q, 3))
+    p.start()
+    try:
+        time.sleep(0.5)
+        u = q.get(timeout=WAIT)
+        assert list(floats(u)) == [0.0, 1.0, 2.0]
+        p.join(WAIT)
+        assert p.exitcode == 0
+    finally:
+        reap(p)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_pool_with_one_task_per_child_never_hangs(method):
+    """Each worker exits right after returning its shared tensor (maxtasksperchild=1); an
+    unpickling error would kill the Pool's result thread and hang it forever."""
+    with mp.get_context(method).Pool(2, maxtasksperchild=1) as pool:
+        out = pool.map_async(make_shared, [2, 3, 4, 5, 6, 7], chunksize=1).get(timeout=WAIT)
+        assert [len(list(floats(x))) for x in out] == [2, 3, 4, 5, 6, 7]

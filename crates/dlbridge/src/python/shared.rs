@@ -49,6 +49,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use std::time::Duration;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
@@ -80,6 +81,9 @@ static REBUILD_SHARED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_BUFFER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_BYTES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_CUDA: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static WAIT_FOR_PINS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+/// The pid of the process whose exit hooks wait for pins ([`register_exit_wait`]).
+static EXIT_WAIT_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Adds `shared_empty`, `share` and the private rebuild functions to a module.
 pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -91,13 +95,14 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (wrap_pyfunction!(_rebuild_buffer, m)?, &REBUILD_BUFFER),
         (wrap_pyfunction!(_rebuild_bytes, m)?, &REBUILD_BYTES),
         (wrap_pyfunction!(_rebuild_cuda, m)?, &REBUILD_CUDA),
+        (wrap_pyfunction!(_wait_for_pins, m)?, &WAIT_FOR_PINS),
     ] {
         m.add_function(f.clone())?;
         let _ = slot.set(py, f.into_any().unbind());
     }
     // PyO3 lists every added function in `__all__`; the rebuild functions are private.
     let all = m.index()?;
-    for name in ["_rebuild_shared", "_rebuild_buffer", "_rebuild_bytes", "_rebuild_cuda"] {
+    for name in ["_rebuild_shared", "_rebuild_buffer", "_rebuild_bytes", "_rebuild_cuda", "_wait_for_pins"] {
         all.call_method1("remove", (name,))?;
     }
     Ok(())
@@ -191,12 +196,14 @@ fn compact_bytes(dtype: DataType, shape: &[i64], padded: bool) -> PyResult<usize
 ///     BufferError: the segment cannot be made (descriptors, the kernel's refusal).
 #[pyfunction]
 fn shared_empty(shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    super::enter(shape.py());
+    let py = shape.py();
+    super::enter(py);
     let dtype = dtype_arg(dtype)?;
     dtype.validate()?;
     let shape = shape_arg(shape)?;
     let bytes = compact_bytes(dtype, &shape, false)?;
     let seg = Segment::create(bytes).map_err(|e| shm_error("shared_empty()", e))?;
+    register_exit_wait(py)?;
     Ok(Tensor::new(seg.tensor(dtype, &shape, None, 0, 0, Flags::NONE)?))
 }
 
@@ -258,12 +265,12 @@ fn share(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     if segment_of(&t).is_some() {
         return Ok(Tensor::new(t));
     }
-    copy_to_segment(&t, "share()", false)
+    copy_to_segment(x.py(), &t, "share()", false)
 }
 
 /// A new shared tensor with a C-contiguous copy of a host tensor's elements and dtype, read-only
 /// if `readonly`.
-fn copy_to_segment(t: &ManagedTensor, what: &str, readonly: bool) -> PyResult<Tensor> {
+fn copy_to_segment(py: Python<'_>, t: &ManagedTensor, what: &str, readonly: bool) -> PyResult<Tensor> {
     let padded = t.flags().is_subbyte_padded();
     let bytes = compact_bytes(t.dtype(), t.shape(), padded)?;
     let copied;
@@ -274,6 +281,7 @@ fn copy_to_segment(t: &ManagedTensor, what: &str, readonly: bool) -> PyResult<Te
         &copied
     };
     let seg = Segment::create(bytes).map_err(|e| shm_error(what, e))?;
+    register_exit_wait(py)?;
     {
         let _lease = src.lease(false)?;
         // SAFETY: `src` is a compact host tensor of `bytes` bytes from its first element (C order,
@@ -296,7 +304,9 @@ pub(crate) fn deepcopy<'py>(slf: &Bound<'py, Tensor>) -> PyResult<Bound<'py, PyA
         )));
     }
     if segment_of(t).is_some() {
-        return Ok(Bound::new(slf.py(), copy_to_segment(t, "deepcopy()", t.is_read_only())?)?.into_any());
+        return Ok(
+            Bound::new(slf.py(), copy_to_segment(slf.py(), t, "deepcopy()", t.is_read_only())?)?.into_any()
+        );
     }
     let reduced = reduce_ex(slf, 4)?;
     reduced.get_item(0)?.call1(reduced.get_item(1)?.cast_into::<PyTuple>()?)
@@ -354,6 +364,9 @@ pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResul
         let h = seg.handle();
         // The sender keeps the memory until a receiver has opened this pickle (see the module docs).
         let (slot, tag) = seg.pin().map_or((-1, 0), |p| (i32::from(p.slot), p.tag));
+        if slot >= 0 {
+            register_exit_wait(py)?;
+        }
         let handle = (
             (
                 HANDLE_TAG,
@@ -402,6 +415,33 @@ pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResul
         let args = (data, meta.0, meta.1, meta.2, meta.3, meta.4, meta.5).into_pyobject(py)?;
         PyTuple::new(py, [rebuild_fn(py, &REBUILD_BYTES)?, args.into_any()])
     }
+}
+
+/// Waits (GIL released), at most 2 s, until every shared tensor this process pickled in the last
+/// 10 s has been opened by a receiver (private: run at exit, see [`register_exit_wait`]).
+#[pyfunction]
+fn _wait_for_pins(py: Python<'_>) {
+    py.detach(|| crate::shm::wait_for_recent_pins(Duration::from_secs(10), Duration::from_secs(2)));
+}
+
+/// Makes this process wait for its recent pins before it exits (once per process, when it first
+/// makes, opens or pickles a segment): an `atexit` hook, and a `multiprocessing` finalizer (a
+/// multiprocessing child leaves through `os._exit` after the finalizers registered before its
+/// exit began: registering when the tensor is made, not when a queue's feeder thread pickles it,
+/// puts it among them; priority -10 runs after the queue's feeder thread has flushed, at -5).
+fn register_exit_wait(py: Python<'_>) -> PyResult<()> {
+    let me = std::process::id();
+    if EXIT_WAIT_PID.swap(me, std::sync::atomic::Ordering::Relaxed) == me {
+        return Ok(());
+    }
+    let Some(f) = WAIT_FOR_PINS.get(py) else { return Ok(()) };
+    py.import("atexit")?.call_method1("register", (f,))?;
+    if py.import("sys")?.getattr("modules")?.contains("multiprocessing.util")? {
+        let kw = pyo3::types::PyDict::new(py);
+        kw.set_item("exitpriority", -10)?;
+        py.import("multiprocessing.util")?.getattr("Finalize")?.call((py.None(), f), Some(&kw))?;
+    }
+    Ok(())
 }
 
 /// A BufferError about a field of what is being unpickled.
@@ -510,7 +550,8 @@ fn meta(
 /// Unpickles a shared tensor's handle (private: pickles name it).
 #[pyfunction]
 fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    super::enter(handle.py());
+    let py = handle.py();
+    super::enter(py);
     let (h, who, pid) = handle_header(handle, HANDLE_TAG, HANDLE_VERSION, 9)?;
     let fd: i32 = field(&who, 3, "handle.fd")?;
     let (dev, ino): (u64, u64) = (field(&who, 4, "handle.dev")?, field(&who, 5, "handle.inode")?);
@@ -528,6 +569,7 @@ fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let (data_len, data_offset, byte_offset, m) = handle_place_and_layout(h, "handle.data_offset")?;
     let handle = Handle { pid, fd, id: SegmentId { dev, ino, token }, data_len, pin };
     let seg = Segment::open(&handle).map_err(|e| bad(&format!("handle.{}", e.field), e.message))?;
+    register_exit_wait(py)?;
     let t = seg
         .tensor(m.dtype, &m.shape, Some(&m.strides), data_offset, byte_offset, m.flags)
         .map_err(|e| bad("handle.shape/strides/offsets", e))?;
