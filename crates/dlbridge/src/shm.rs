@@ -470,7 +470,7 @@ fn read_limit(path: &std::path::Path) -> Option<u64> {
 
 /// The most shared memory this process could ever have backed, and what sets it: the machine's
 /// memory plus swap (`/proc/meminfo`), this process's memory cgroup (v2 `memory.max` plus swap, v1
-/// `memory.memsw.limit_in_bytes` or `memory.limit_in_bytes` plus swap, at its own level and every
+/// `memory.limit_in_bytes` plus swap and `memory.memsw.limit_in_bytes`, at its own level and every
 /// level above), and `RLIMIT_FSIZE` (a memfd is a file). `None` if nothing can be read.
 pub fn backing_limit() -> Option<(u64, String)> {
     let mut best: Option<(u64, String)> = None;
@@ -509,19 +509,27 @@ pub fn backing_limit() -> Option<(u64, String)> {
             let root = std::path::PathBuf::from(if v2 { "/sys/fs/cgroup" } else { "/sys/fs/cgroup/memory" });
             let mut dir = root.join(path.trim_start_matches('/'));
             loop {
-                let limit = if v2 {
-                    read_limit(&dir.join("memory.max")).map(|m| {
+                let mut limits = Vec::new();
+                if v2 {
+                    if let Some(m) = read_limit(&dir.join("memory.max")) {
                         let s = read_limit(&dir.join("memory.swap.max")).map_or(swap, |s| s.min(swap));
-                        (m.saturating_add(s), dir.join("memory.max"))
-                    })
-                } else if let Some(ms) = read_limit(&dir.join("memory.memsw.limit_in_bytes")) {
-                    Some((ms, dir.join("memory.memsw.limit_in_bytes")))
+                        limits.push((m.saturating_add(s), dir.join("memory.max"), " plus swap"));
+                    }
                 } else {
-                    read_limit(&dir.join("memory.limit_in_bytes"))
-                        .map(|m| (m.saturating_add(swap), dir.join("memory.limit_in_bytes")))
-                };
-                if let Some((n, file)) = limit {
-                    consider(n, format!("this process's memory cgroup ({}, plus swap)", file.display()));
+                    // Memory plus swap is at most memsw's limit and at most memory's limit plus swap.
+                    if let Some(m) = read_limit(&dir.join("memory.limit_in_bytes")) {
+                        limits.push((
+                            m.saturating_add(swap),
+                            dir.join("memory.limit_in_bytes"),
+                            " plus swap",
+                        ));
+                    }
+                    if let Some(ms) = read_limit(&dir.join("memory.memsw.limit_in_bytes")) {
+                        limits.push((ms, dir.join("memory.memsw.limit_in_bytes"), ""));
+                    }
+                }
+                for (n, file, plus) in limits {
+                    consider(n, format!("this process's memory cgroup ({}{plus})", file.display()));
                 }
                 if dir == root || !dir.pop() || !dir.starts_with(&root) {
                     break;

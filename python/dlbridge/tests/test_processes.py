@@ -606,6 +606,57 @@ def test_a_memfd_file_size_limit_is_a_memory_error():
     assert out.startswith("MemoryError") and "134217984 bytes" in out and "RLIMIT_FSIZE" in out, out
 
 
+IN_A_CGROUP = r"""
+import os, sys
+open(os.path.join(sys.argv[1], "cgroup.procs"), "w").write(str(os.getpid()))
+import dlbridge
+assert dlbridge.shared_empty(4 << 20, "float32").size == 4 << 20
+try:
+    dlbridge.shared_empty(1 << 28, "float32")
+    print("made 1 GiB")
+except MemoryError as e:
+    print("MemoryError", e)
+"""
+
+
+def memory_cgroup_dir() -> str | None:
+    """A new child of this process's memory cgroup (v1 or v2) limited to 512 MiB, if this process
+    may make one (root with a writable cgroup file system), else None."""
+    with open("/proc/self/cgroup") as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    for hid, ctrls, path in lines:
+        v2 = hid == "0" and ctrls == ""
+        if not v2 and "memory" not in ctrls.split(","):
+            continue
+        base = ("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") + path
+        limit_file = "memory.max" if v2 else "memory.limit_in_bytes"
+        d = os.path.join(base, f"dlbridge-test-{os.getpid()}")
+        try:
+            os.mkdir(d)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(d, limit_file), "w") as f:
+                f.write(str(512 << 20))
+            return d
+        except OSError:
+            os.rmdir(d)
+    return None
+
+
+def test_a_memory_cgroup_limit_is_a_memory_error():
+    """A child in a memory cgroup of 512 MiB asks for 1 GiB: MemoryError naming the cgroup's file
+    (the cgroup is made for the test; skipped where this process may not make one)."""
+    d = memory_cgroup_dir()
+    if d is None:
+        pytest.skip("cannot make a memory cgroup here (needs root and a writable cgroup file system)")
+    try:
+        out = run_script(IN_A_CGROUP, d)
+    finally:
+        os.rmdir(d)
+    assert out.startswith("MemoryError") and "memory cgroup" in out and d in out and "536870912 bytes" in out, out
+
+
 RECEIVE_WITHOUT_DESCRIPTORS = r"""
 import os, pickle, resource, sys
 import dlbridge
