@@ -4,7 +4,8 @@ after; the parent gets the memory (the worker's writes, a tensor it can write), 
 the memory is freed once the parent lets go.
 
 Pickling a shared tensor pins its segment in the pickling process until a receiver has opened
-the pickle (see ARCHITECTURE.md, "Processes"). Before, the worker's drop made the handle stale:
+the pickle, and a process about to exit waits (at most 2 s) for its recent pins to be claimed
+(see ARCHITECTURE.md, "Processes"). Before, the worker's drop made the handle stale:
 the Pool's result thread died on the unpickling error and `get` hung forever, and
 ProcessPoolExecutor raised BrokenProcessPool. Every wait here is bounded.
 """
