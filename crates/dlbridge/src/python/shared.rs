@@ -15,9 +15,9 @@
 //!
 //! The buffer and bytes forms carry the byte range the elements span with the tensor's own
 //! strides, so the unpickled tensor has the same dtype, shape and strides (negative, zero,
-//! Fortran order); a (non-shared) tensor with gaps between its elements (a slice such as `a[::2]`,
-//! whose span is larger than its elements) is made C-contiguous first, one copy, rather than sending memory
-//! that is not the tensor's. Unpickling a buffer gives a tensor over that buffer (zero-copy: a Ray
+//! Fortran order); a (non-shared) tensor with gaps between its elements (a slice such as
+//! `a[::2]`, whose span is larger than its elements) is made C-contiguous first, one copy, rather
+//! than sending memory that is not the tensor's. Unpickling a buffer gives a tensor over that buffer (zero-copy: a Ray
 //! worker's tensor lies in the object store), read-only if the tensor was or if the buffer is
 //! (the object store's are, as numpy's arrays from it are); bytes are copied once into aligned
 //! memory.
@@ -203,7 +203,7 @@ fn shared_empty(shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>) -> PyResult<
     let shape = shape_arg(shape)?;
     let bytes = compact_bytes(dtype, &shape, false)?;
     let seg = Segment::create(bytes).map_err(|e| shm_error("shared_empty()", e))?;
-    register_exit_wait(py)?;
+    register_exit_wait(py);
     Ok(Tensor::new(seg.tensor(dtype, &shape, None, 0, 0, Flags::NONE)?))
 }
 
@@ -234,9 +234,10 @@ fn segment_of(t: &ManagedTensor) -> Option<(Arc<Segment>, u64, u64)> {
 /// `dlbridge.share(x)`: a shared tensor with `x`'s contents (dtype, shape): `x` itself, as a
 /// Tensor (read-only if `x` is), when its memory already lies in a shared segment; otherwise one
 /// copy into a new segment (C-contiguous), which is writable whatever `x` was: it is new memory
-/// that only dlbridge holds (so a copy of a jax array, which is read-only, goes back to jax). A CUDA `x` is returned as a Tensor over the same memory (no
-/// copy) once the driver has confirmed that its allocation has a CUDA IPC handle; its pickle is
-/// that handle (see the module docs for the stream and lifetime contract).
+/// that only dlbridge holds (so a copy of a jax array, which is read-only, goes back to jax). A
+/// CUDA `x` is returned as a Tensor over the same memory (no copy) once the driver has confirmed
+/// that its allocation has a CUDA IPC handle; its pickle is that handle (see the module docs for
+/// the stream and lifetime contract).
 ///
 /// Args:
 ///     x: any DLPack producer or object with an array protocol, in host memory or CUDA memory.
@@ -281,7 +282,7 @@ fn copy_to_segment(py: Python<'_>, t: &ManagedTensor, what: &str, readonly: bool
         &copied
     };
     let seg = Segment::create(bytes).map_err(|e| shm_error(what, e))?;
-    register_exit_wait(py)?;
+    register_exit_wait(py);
     {
         let _lease = src.lease(false)?;
         // SAFETY: `src` is a compact host tensor of `bytes` bytes from its first element (C order,
@@ -365,7 +366,7 @@ pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResul
         // The sender keeps the memory until a receiver has opened this pickle (see the module docs).
         let (slot, tag) = seg.pin().map_or((-1, 0), |p| (i32::from(p.slot), p.tag));
         if slot >= 0 {
-            register_exit_wait(py)?;
+            register_exit_wait(py);
         }
         let handle = (
             (
@@ -429,11 +430,19 @@ fn _wait_for_pins(py: Python<'_>) {
 /// multiprocessing child leaves through `os._exit` after the finalizers registered before its
 /// exit began: registering when the tensor is made, not when a queue's feeder thread pickles it,
 /// puts it among them; priority -10 runs after the queue's feeder thread has flushed, at -5).
-fn register_exit_wait(py: Python<'_>) -> PyResult<()> {
+/// Best effort: if the hooks cannot be registered (an interpreter shutting down), the process
+/// exits without waiting, and the next call tries again.
+fn register_exit_wait(py: Python<'_>) {
     let me = std::process::id();
     if EXIT_WAIT_PID.swap(me, std::sync::atomic::Ordering::Relaxed) == me {
-        return Ok(());
+        return;
     }
+    if register_exit_hooks(py).is_err() {
+        EXIT_WAIT_PID.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn register_exit_hooks(py: Python<'_>) -> PyResult<()> {
     let Some(f) = WAIT_FOR_PINS.get(py) else { return Ok(()) };
     py.import("atexit")?.call_method1("register", (f,))?;
     if py.import("sys")?.getattr("modules")?.contains("multiprocessing.util")? {
@@ -569,7 +578,7 @@ fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let (data_len, data_offset, byte_offset, m) = handle_place_and_layout(h, "handle.data_offset")?;
     let handle = Handle { pid, fd, id: SegmentId { dev, ino, token }, data_len, pin };
     let seg = Segment::open(&handle).map_err(|e| bad(&format!("handle.{}", e.field), e.message))?;
-    register_exit_wait(py)?;
+    register_exit_wait(py);
     let t = seg
         .tensor(m.dtype, &m.shape, Some(&m.strides), data_offset, byte_offset, m.flags)
         .map_err(|e| bad("handle.shape/strides/offsets", e))?;
