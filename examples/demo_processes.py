@@ -36,7 +36,9 @@ def main() -> None:
     dlbridge_scale.fill(t, 1.5)  # Rust writes the shared memory
     print(f"parent {os.getpid()}: {t!r}")
     print(f"  filled by Rust: {np.from_dlpack(t)[0, :4].tolist()} ...")
-    print(f"  its pickle is {len(pickle.dumps(t))} bytes (a handle, not the {t.nbytes} bytes of data)")
+    p = pickle.dumps(t)
+    assert pickle.loads(p).data_ptr == t.data_ptr  # loading it here maps nothing new (and claims its pin)
+    print(f"  its pickle is {len(p)} bytes (a handle, not the {t.nbytes} bytes of data)")
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(q_in, q_out))

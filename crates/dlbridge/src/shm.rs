@@ -12,20 +12,37 @@
 //! aligned, as dlpack.h asks.
 //!
 //! A [`Handle`] names a segment for another process on the same machine: the pid of a process
-//! that holds it, the descriptor number there, the inode, the token and the data length. A
-//! receiver opens `/proc/<pid>/fd/<fd>` (the same user may, as for any of its processes), and
-//! checks, before mapping anything, that the descriptor is a dlbridge memfd (its link name), a
-//! regular file of the handle's inode with the size seals, of exactly the handle's size; after
-//! mapping, that the header has the magic, the token and the length. Any mismatch is a
-//! [`ShmError`] naming the handle's field. The handle is a *reference*: it can be opened while
-//! the process that made it still holds the segment (any tensor over it); once it has let go,
-//! opening is an error (stale handle), never a read of someone else's memory. The receiver then
-//! holds its own descriptor and mapping, so it keeps the memory alive however long it needs,
-//! whether or not the sender lives on.
+//! that holds it, the descriptor number there, the inode, the token, the data length and a pin.
+//! A receiver opens `/proc/<pid>/fd/<fd>` with `O_PATH` (Linux allows it under ptrace read access:
+//! the same user and group ids, a dumpable sender, no capability the receiver lacks), checks
+//! through that descriptor that it is a dlbridge memfd (its link name) and a regular file of the
+//! handle's inode, then reopens *that* file read-write through `/proc/self/fd/<O_PATH fd>` (so a
+//! sender swapping its descriptor meanwhile cannot make it open anything else: a FIFO, a device),
+//! checks the size seals and the exact size, maps, and checks the header's magic, token and
+//! length. Any mismatch is a [`ShmError`] naming the handle's field; a receiver out of
+//! descriptors, or refused by the ptrace rule, is told so. The handle is a *reference*: it can be
+//! opened while some process named by it holds the segment, and never reads someone else's memory.
+//! The receiver then holds its own descriptor and mapping, so it keeps the memory alive however
+//! long it needs, whether or not the sender lives on.
+//!
+//! **Pins.** A sender usually drops what it sent (a worker returning a result). Making a handle
+//! for a pickle ([`Segment::pin`]) therefore pins the segment in the sending process (an `Arc` in a
+//! process-wide list) and counts the pin in a header word this process owns (`tag << 32 | count`,
+//! one of [`PIN_SLOTS`]); a receiver opening the handle decrements that count once, and the sender
+//! drops its pin when the count reaches 0 (a sweeper thread, which runs only while pins exist, and
+//! every pin and open). So the first receiver always gets the memory while the sender runs (and a
+//! sender about to exit can wait for its recent pins: [`wait_for_recent_pins`]); a pickle never
+//! loaded keeps its memory until the sender exits (as torch's descriptor sharer does); a pickle
+//! loaded again after that gets it only while some holder still has it.
 //!
 //! Each process keeps one [`Segment`] per memfd it maps (a registry of live segments, looked up
 //! by identity when a handle is opened and by address when a tensor is asked whether its memory
-//! is shared); it closes its descriptor and unmaps when the last `Arc<Segment>` drops.
+//! is shared); lookup, open, map and registration happen under one lock, so a segment has one
+//! mapping (one address, which the borrow registry keys leases by) however many threads open it
+//! at once. It closes its descriptor and unmaps when the last `Arc<Segment>` drops.
+//!
+//! [`Segment::create`] refuses a size the machine could never back ([`backing_limit`]: memory
+//! plus swap, the process's memory cgroup, `RLIMIT_FSIZE`); pages are reserved only when touched.
 //!
 //! # What other processes may do
 //!
@@ -45,13 +62,16 @@
 //! queued on the device (`cuCtxSynchronize` in the primary context), and a receiver's writes
 //! reach the sender once the receiver has synchronised and said so (the handle carries no event).
 
-use std::ffi::c_void;
+use std::cell::UnsafeCell;
+use std::ffi::{CString, c_void};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
 use crate::dtype::DataType;
 use crate::error::Result as TensorResult;
@@ -65,9 +85,18 @@ pub const HEADER_LEN: usize = 256;
 /// The header's first eight bytes.
 const MAGIC: [u8; 8] = *b"DLBRSHM1";
 
+/// Where the header's pin slots start (after magic, token and length), and how many there are:
+/// one 64-bit word each, `tag << 32 | count` (0: free), see [`Pin`].
+const PIN_BASE: usize = 32;
+/// The number of pin slots in a header.
+pub const PIN_SLOTS: usize = (HEADER_LEN - PIN_BASE) / 8;
+
 /// The memfd's name (Linux shows it as `/memfd:dlbridge-shm (deleted)` in `/proc/*/fd` and
 /// `/proc/*/maps`).
 pub const MEMFD_NAME: &str = "dlbridge-shm";
+
+/// Segments at most this large are made without reading the machine's memory limits.
+const UNCHECKED_SIZE: usize = 1 << 20;
 
 /// What identifies one segment among all of the machine's: its inode and its random token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -78,6 +107,17 @@ pub struct SegmentId {
     pub ino: u64,
     /// 128 random bits, also in the segment's header.
     pub token: [u8; 16],
+}
+
+/// A claim ticket: the sender keeps the segment mapped until a receiver has opened a handle that
+/// carries it ([`Segment::pin`]). `slot` is one of the header's [`PIN_SLOTS`] words, `tag` the
+/// sender's random tag in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pin {
+    /// The header slot (below [`PIN_SLOTS`]).
+    pub slot: u8,
+    /// The tag the sender wrote there (never 0).
+    pub tag: u32,
 }
 
 /// What another process needs to map a segment: where a holder keeps it and what it must be.
@@ -91,13 +131,17 @@ pub struct Handle {
     pub id: SegmentId,
     /// Bytes of data after the header.
     pub data_len: u64,
+    /// The sender's pin, which opening the handle claims (releases) once; `None`: the handle is
+    /// valid only while some process named by it holds the segment.
+    pub pin: Option<Pin>,
 }
 
 /// Why a segment could not be made or opened: the handle's field (or the operation) and why.
 #[derive(Debug)]
 pub struct ShmError {
     /// The handle field (`pid`, `fd`, `inode`, `token`, `size`) or operation (`memfd_create`,
-    /// `mmap`) that failed.
+    /// `mmap`) that failed; `memory` when the size is more than the machine (memory plus swap,
+    /// a cgroup's limit, `RLIMIT_FSIZE`) could ever back.
     pub field: &'static str,
     /// What was wrong, with the value.
     pub message: String,
@@ -115,32 +159,270 @@ fn err(field: &'static str, message: impl Into<String>) -> ShmError {
     ShmError { field, message: message.into() }
 }
 
+/// A shared mapping, unmapped when dropped.
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once; whoever owns the Mapping has no pointer into it
+        // any more (a Segment drops it after its last Arc).
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
 /// One mapping of a segment in this process, with the descriptor that keeps it nameable.
 pub struct Segment {
+    // Field order: Drop removes the registry entry first, then the mapping is unmapped, then the
+    // descriptor closes.
+    map: Mapping,
     file: File,
-    base: NonNull<u8>,
-    map_len: usize,
     data_len: usize,
     id: SegmentId,
 }
 
 // SAFETY: the mapping is plain shared memory, valid from any thread until `Drop` unmaps it; the
-// struct hands out only raw pointers (access goes through tensors, which carry their own rules).
+// struct hands out only raw pointers (access goes through tensors, which carry their own rules)
+// and touches the header's pin words only atomically.
 unsafe impl Send for Segment {}
-// SAFETY: as above; no interior state is mutated through `&Segment`.
+// SAFETY: as above; no interior state is mutated through `&Segment` except atomically.
 unsafe impl Sync for Segment {}
 
-/// The segments this process maps: (start of data, data length, the segment).
-static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
+// ---- the registry of live segments --------------------------------------------------------------
+//
+// One entry per segment this process maps, so that a segment has one mapping (one address) in the
+// process: the borrow registry keys leases by address, and two mappings of one segment would let a
+// `&mut` on one coexist with a `&` on the other. Opening a handle holds the lock across lookup,
+// open, map and insert (see `Segment::open`). Nothing is upgraded-and-dropped under the lock: the
+// last `Arc` dropping there would deadlock on it in `Drop`.
 
 /// A registry entry: where the data starts, its length, the segment's identity, the segment.
-/// (Nothing is upgraded and dropped under the lock: the last `Arc` dropping there would deadlock
-/// on it in `Drop`.)
-type Live = (usize, usize, SegmentId, Weak<Segment>);
+struct Live {
+    start: usize,
+    len: usize,
+    id: SegmentId,
+    seg: Weak<Segment>,
+}
 
-fn live() -> std::sync::MutexGuard<'static, Vec<Live>> {
+/// The segments this process maps.
+static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
+
+/// The registry, locked.
+fn registry() -> MutexGuard<'static, Vec<Live>> {
     // A panic while holding the lock leaves the list consistent (every change is one push/remove).
     LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The live mapping of segment `id`, if this process has one.
+fn registry_find_id(reg: &[Live], id: &SegmentId) -> Option<Arc<Segment>> {
+    reg.iter().filter(|e| e.id == *id).find_map(|e| e.seg.upgrade())
+}
+
+/// The live segment whose data holds `[addr, addr + len)`, with the start of its data.
+fn registry_find_addr(reg: &[Live], addr: usize, end: usize) -> Option<(usize, Arc<Segment>)> {
+    reg.iter()
+        .filter(|e| addr >= e.start && end <= e.start + e.len)
+        .find_map(|e| e.seg.upgrade().map(|s| (e.start, s)))
+}
+
+/// Adds a new mapping.
+fn registry_insert(reg: &mut Vec<Live>, seg: &Arc<Segment>) {
+    reg.push(Live { start: seg.data() as usize, len: seg.data_len, id: seg.id, seg: Arc::downgrade(seg) });
+}
+
+/// Removes the mapping whose data starts at `start` (and any entry whose segment is gone).
+fn registry_remove(reg: &mut Vec<Live>, start: usize) {
+    reg.retain(|e| e.start != start && e.seg.strong_count() > 0);
+}
+
+// ---- pins: the sender keeps a pickled segment until a receiver has it ---------------------------
+//
+// Pickling a shared tensor pins its segment in the pickling process (an `Arc` in `PINS`) and
+// counts the pin in a word of the segment's header that this process owns (`tag << 32 | count`);
+// a receiver that opens the handle decrements the count (compare-and-swap on its tag), and the
+// sender drops its pin once the count is 0 (a sweeper thread, which exits when no pin is left,
+// and every pin/open call). Other processes only ever decrement a count that matches the tag the
+// handle carries, so a stray handle cannot release another process's pins.
+
+/// One pinned segment: the `Arc` that keeps it, its header slot and our tag there.
+struct Pinned {
+    seg: Arc<Segment>,
+    slot: usize,
+    tag: u32,
+    /// When it was last pinned (see [`wait_for_recent_pins`]).
+    since: Instant,
+}
+
+/// This process's pins, the pid they belong to (a forked child inherits its parent's copy, which
+/// it must neither read nor release), and whether a sweeper thread runs.
+struct Pins {
+    pid: u32,
+    list: Vec<Pinned>,
+    sweeper: bool,
+}
+
+/// A lock that survives `fork`: its word holds the pid of the holder's process, so a child that
+/// finds it held by another pid (a thread of its parent at the time of the fork, which does not
+/// exist in the child) takes it over, and never blocks forever.
+struct ForkSafeLock<T> {
+    owner: AtomicU32,
+    data: UnsafeCell<T>,
+}
+
+// SAFETY: `data` is reached only through a guard, which one thread holds at a time (the lock word
+// is taken by compare-and-swap; a child takes over only a word held by another process's pid,
+// whose holder does not exist in the child).
+unsafe impl<T: Send> Sync for ForkSafeLock<T> {}
+
+struct ForkSafeGuard<'a, T> {
+    lock: &'a ForkSafeLock<T>,
+}
+
+impl<T> ForkSafeLock<T> {
+    fn lock(&self) -> ForkSafeGuard<'_, T> {
+        let me = std::process::id();
+        loop {
+            let cur = self.owner.load(Ordering::Relaxed);
+            let free = cur == 0 || cur != me;
+            if free && self.owner.compare_exchange(cur, me, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return ForkSafeGuard { lock: self };
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl<T> std::ops::Deref for ForkSafeGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: the guard holds the lock (see ForkSafeLock's Sync).
+        unsafe { &*self.lock.data.get() }
+    }
+}
+
+impl<T> std::ops::DerefMut for ForkSafeGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: the guard holds the lock (see ForkSafeLock's Sync).
+        unsafe { &mut *self.lock.data.get() }
+    }
+}
+
+impl<T> Drop for ForkSafeGuard<'_, T> {
+    fn drop(&mut self) {
+        self.lock.owner.store(0, Ordering::Release);
+    }
+}
+
+static PINS: ForkSafeLock<Pins> = ForkSafeLock {
+    owner: AtomicU32::new(0),
+    data: UnsafeCell::new(Pins { pid: 0, list: Vec::new(), sweeper: false }),
+};
+
+/// This process's pins, locked. In a forked child the parent's list is forgotten unread (it may
+/// have been mid-change at the fork; its `Arc`s leak, so the child keeps those mappings until it
+/// exits, as fork gave them to it anyway); the parent's pins stay the parent's.
+fn pins() -> ForkSafeGuard<'static, Pins> {
+    let mut g = PINS.lock();
+    let me = std::process::id();
+    if g.pid != me {
+        let fresh = Pins { pid: me, list: Vec::new(), sweeper: false };
+        // SAFETY: the guard gives exclusive access; the old value is overwritten without being
+        // read or dropped (it may be torn), which only leaks it.
+        unsafe { std::ptr::write(&mut *g as *mut Pins, fresh) };
+    }
+    g
+}
+
+/// Releases every pin whose count receivers have brought to 0 (or whose slot another process
+/// overwrote); returns the released `Arc`s, to be dropped once the lock is released.
+fn take_claimed(p: &mut Pins) -> Vec<Arc<Segment>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < p.list.len() {
+        let e = &p.list[i];
+        let word = e.seg.pin_word(e.slot);
+        let done = loop {
+            let v = word.load(Ordering::Acquire);
+            if (v >> 32) as u32 != e.tag {
+                break true;
+            }
+            if v as u32 != 0 {
+                break false;
+            }
+            if word.compare_exchange(v, 0, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                break true;
+            }
+        };
+        if done {
+            out.push(p.list.swap_remove(i).seg);
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Releases the pins receivers have claimed (the `Arc`s drop after the lock is released).
+pub fn sweep_pins() {
+    let released = take_claimed(&mut pins());
+    drop(released);
+}
+
+/// Waits, at most `max`, until every pin made (or renewed) less than `recent` ago has been claimed:
+/// what a process does before it exits, so that a worker that sends a shared tensor and exits at
+/// once (a `Pool` with `maxtasksperchild`, a process that puts its result on a queue and returns)
+/// does not take the memory with it before its receiver has opened it. Older pins (a pickle
+/// nobody loaded) do not delay the exit.
+pub fn wait_for_recent_pins(recent: Duration, max: Duration) {
+    let start = Instant::now();
+    loop {
+        let (released, pending) = {
+            let mut p = pins();
+            let released = take_claimed(&mut p);
+            let pending = p.list.iter().any(|e| e.since.elapsed() < recent);
+            (released, pending)
+        };
+        drop(released);
+        if !pending || start.elapsed() >= max {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Starts the sweeper thread of this process if none runs (called with the pins locked).
+fn ensure_sweeper(p: &mut Pins) {
+    if p.sweeper {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("dlbridge-shm-pins".into()).spawn(|| {
+        let mut wait = Duration::from_millis(1);
+        loop {
+            std::thread::sleep(wait);
+            let (released, empty) = {
+                let mut p = pins();
+                let released = take_claimed(&mut p);
+                let empty = p.list.is_empty();
+                if empty {
+                    p.sweeper = false;
+                }
+                (released, empty)
+            };
+            wait = if released.is_empty() {
+                (wait * 2).min(Duration::from_millis(100))
+            } else {
+                Duration::from_millis(1)
+            };
+            drop(released);
+            if empty {
+                return;
+            }
+        }
+    });
+    // Without a thread (out of resources), pins are still released by the next pin or open.
+    p.sweeper = spawned.is_ok();
 }
 
 fn random_token() -> Result<[u8; 16], ShmError> {
@@ -169,8 +451,121 @@ fn map_len_for(data_len: u64, field: &'static str) -> Result<usize, ShmError> {
         .ok_or_else(|| err(field, format!("{data_len} bytes is more than this process can map")))
 }
 
+/// `n` bytes in binary units (`1.5 GiB`).
+fn human(n: u64) -> String {
+    let units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{n} bytes") } else { format!("{v:.1} {}", units[u]) }
+}
+
+/// A cgroup limit file's value: `None` for "max" (v2) or a file that cannot be read.
+fn read_limit(path: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// The most shared memory this process could ever have backed, and what sets it: the machine's
+/// memory plus swap (`/proc/meminfo`), this process's memory cgroup (v2 `memory.max` plus swap, v1
+/// `memory.limit_in_bytes` plus swap and `memory.memsw.limit_in_bytes`, at its own level and every
+/// level above), and `RLIMIT_FSIZE` (a memfd is a file). `None` if nothing can be read.
+pub fn backing_limit() -> Option<(u64, String)> {
+    let mut best: Option<(u64, String)> = None;
+    let mut consider = |n: u64, what: String| {
+        if best.as_ref().is_none_or(|b| n < b.0) {
+            best = Some((n, what));
+        }
+    };
+    let kib = |info: &str, key: &str| -> Option<u64> {
+        let line = info.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .map(|k| k.saturating_mul(1024))
+    };
+    let mut swap = 0;
+    if let Ok(info) = std::fs::read_to_string("/proc/meminfo") {
+        swap = kib(&info, "SwapTotal:").unwrap_or(0);
+        if let Some(mem) = kib(&info, "MemTotal:") {
+            consider(mem.saturating_add(swap), "the machine's memory plus swap (/proc/meminfo)".into());
+        }
+    }
+    if let Ok(cg) = std::fs::read_to_string("/proc/self/cgroup") {
+        for line in cg.lines() {
+            let mut parts = line.splitn(3, ':');
+            let (Some(id), Some(ctrls), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+                continue;
+            };
+            let v2 = id == "0" && ctrls.is_empty();
+            if !v2 && !ctrls.split(',').any(|c| c == "memory") {
+                continue;
+            }
+            let root = std::path::PathBuf::from(if v2 { "/sys/fs/cgroup" } else { "/sys/fs/cgroup/memory" });
+            let mut dir = root.join(path.trim_start_matches('/'));
+            loop {
+                let mut limits = Vec::new();
+                if v2 {
+                    if let Some(m) = read_limit(&dir.join("memory.max")) {
+                        let s = read_limit(&dir.join("memory.swap.max")).map_or(swap, |s| s.min(swap));
+                        limits.push((m.saturating_add(s), dir.join("memory.max"), " plus swap"));
+                    }
+                } else {
+                    // Memory plus swap is at most memsw's limit and at most memory's limit plus swap.
+                    if let Some(m) = read_limit(&dir.join("memory.limit_in_bytes")) {
+                        limits.push((
+                            m.saturating_add(swap),
+                            dir.join("memory.limit_in_bytes"),
+                            " plus swap",
+                        ));
+                    }
+                    if let Some(ms) = read_limit(&dir.join("memory.memsw.limit_in_bytes")) {
+                        limits.push((ms, dir.join("memory.memsw.limit_in_bytes"), ""));
+                    }
+                }
+                for (n, file, plus) in limits {
+                    consider(n, format!("this process's memory cgroup ({}{plus})", file.display()));
+                }
+                if dir == root || !dir.pop() || !dir.starts_with(&root) {
+                    break;
+                }
+            }
+        }
+    }
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut r) } == 0 && r.rlim_cur != libc::RLIM_INFINITY {
+        consider(r.rlim_cur, "RLIMIT_FSIZE (ulimit -f; a segment is a memfd file)".into());
+    }
+    best
+}
+
+/// Refuses a segment of `map_len` bytes that the machine could never back (see [`backing_limit`]).
+fn check_backing(map_len: usize) -> Result<(), ShmError> {
+    if map_len <= UNCHECKED_SIZE {
+        return Ok(());
+    }
+    match backing_limit() {
+        Some((limit, what)) if map_len as u64 > limit => Err(err(
+            "memory",
+            format!(
+                "cannot allocate {map_len} bytes ({}) of shared memory: more than {what} can ever back \
+                 ({limit} bytes, {})",
+                human(map_len as u64),
+                human(limit)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Maps `len` bytes of `file` shared, readable and writable.
-fn map(file: &File, len: usize) -> Result<NonNull<u8>, ShmError> {
+fn map(file: &File, len: usize) -> Result<Mapping, ShmError> {
     // SAFETY: a new shared mapping of an open descriptor chosen by the kernel; nothing is
     // overwritten (no MAP_FIXED).
     let p = unsafe {
@@ -186,88 +581,104 @@ fn map(file: &File, len: usize) -> Result<NonNull<u8>, ShmError> {
     if p == libc::MAP_FAILED {
         return Err(err("mmap", format!("{len} bytes: {}", io::Error::last_os_error())));
     }
-    NonNull::new(p.cast::<u8>()).ok_or_else(|| err("mmap", "the kernel mapped address 0"))
+    NonNull::new(p.cast::<u8>())
+        .map(|base| Mapping { base, len })
+        .ok_or_else(|| err("mmap", "the kernel mapped address 0"))
 }
 
-impl Segment {
-    /// A new zero-filled segment of `data_len` bytes of data, mapped in this process.
-    pub fn create(data_len: usize) -> Result<Arc<Segment>, ShmError> {
-        let map_len = map_len_for(data_len as u64, "size")?;
-        let token = random_token()?;
-        let name = c"dlbridge-shm";
-        // SAFETY: a NUL-terminated name and valid flags; returns a new descriptor or -1.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-        if fd < 0 {
-            return Err(err("memfd_create", io::Error::last_os_error().to_string()));
-        }
-        // SAFETY: a descriptor just returned to us, owned by nothing else.
-        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
-        file.set_len(map_len as u64)
-            .map_err(|e| err("size", format!("cannot size a segment to {map_len} bytes: {e}")))?;
-        // SAFETY: fcntl on our own descriptor with an integer argument.
-        if unsafe {
-            libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL)
-        } != 0
-        {
-            return Err(err("seals", io::Error::last_os_error().to_string()));
-        }
-        let meta = file.metadata().map_err(|e| err("inode", e.to_string()))?;
-        let base = map(&file, map_len)?;
-        // SAFETY: the mapping is `map_len >= HEADER_LEN` bytes, writable, and no other process
-        // knows the segment yet.
-        unsafe {
-            let h = base.as_ptr();
-            std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), h, 8);
-            std::ptr::copy_nonoverlapping(token.as_ptr(), h.add(8), 16);
-            std::ptr::copy_nonoverlapping((data_len as u64).to_le_bytes().as_ptr(), h.add(24), 8);
-        }
-        let id = SegmentId { dev: meta.dev(), ino: meta.ino(), token };
-        Ok(Self::register(Segment { file, base, map_len, data_len, id }))
-    }
+/// Whether an error means this process (EMFILE) or the system (ENFILE) is out of descriptors.
+fn out_of_descriptors(field: &'static str, what: &str, e: &io::Error) -> Option<ShmError> {
+    let who = match e.raw_os_error() {
+        Some(libc::EMFILE) => "this process is",
+        Some(libc::ENFILE) => "the system is",
+        _ => return None,
+    };
+    Some(err(
+        field,
+        format!(
+            "{what}: {who} out of file descriptors ({e}): each shared segment a process maps takes \
+             one; close some, or raise the limit (resource.setrlimit(resource.RLIMIT_NOFILE, ...), \
+             ulimit -n)"
+        ),
+    ))
+}
 
-    fn register(seg: Segment) -> Arc<Segment> {
-        let seg = Arc::new(seg);
-        live().push((seg.data() as usize, seg.data_len, seg.id, Arc::downgrade(&seg)));
-        seg
+/// `open(2)` of a path with flags (close-on-exec added), as an owned descriptor.
+fn open_fd(path: &str, flags: libc::c_int) -> io::Result<OwnedFd> {
+    let c = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: a NUL-terminated path and valid flags; returns a new descriptor or -1.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
     }
+    // SAFETY: a descriptor just returned to us, owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
 
-    /// Maps the segment a handle names (the same `Arc` if this process maps it already), after
-    /// checking that it is one of dlbridge's and that it is the one the handle describes.
-    pub fn open(h: &Handle) -> Result<Arc<Segment>, ShmError> {
-        let mapped = live().iter().find(|e| e.2 == h.id).map(|e| e.3.clone());
-        if let Some(seg) = mapped.and_then(|w| w.upgrade()) {
-            return if seg.data_len as u64 == h.data_len {
-                Ok(seg)
+/// Why `/proc/<pid>/fd/<fd>` could not be reached, as the receiver can act on it.
+fn unreachable(h: &Handle, path: &str, e: io::Error) -> ShmError {
+    if let Some(x) = out_of_descriptors("fd", &format!("cannot open {path}"), &e) {
+        return x;
+    }
+    let pid = h.pid;
+    match e.raw_os_error() {
+        Some(libc::EACCES | libc::EPERM) => err(
+            "fd",
+            format!(
+                "{path}: permission denied ({e}): Linux lets a process open another's \
+                 /proc/<pid>/fd only with ptrace read access to it: the same user and group (real, \
+                 effective and saved ids alike), a dumpable sender (not made non-dumpable by \
+                 prctl(PR_SET_DUMPABLE, 0), a set-user-ID or set-group-ID program or a change of \
+                 credentials), and no capability the receiver lacks (or CAP_SYS_PTRACE in the \
+                 receiver). Make the sender dumpable (prctl(PR_SET_DUMPABLE, 1)) or send the data \
+                 by value (dlbridge.from_dlpack(t, copy=True) pickles its bytes)"
+            ),
+        ),
+        _ => {
+            let exited = !std::path::Path::new(&format!("/proc/{pid}/fd")).exists()
+                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .map(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+                    .unwrap_or(true);
+            let what = if exited {
+                format!(
+                    "process {pid}, which pickled the tensor, has exited (or is on another machine or \
+                     in another pid namespace)"
+                )
             } else {
-                Err(err("size", format!("{} bytes, but the segment holds {}", h.data_len, seg.data_len)))
+                format!(
+                    "process {pid}, which pickled the tensor, no longer holds the segment (an earlier \
+                     unpickling claimed the pickle's pin, or it had none, and it dropped the tensor)"
+                )
             };
-        }
-        let map_len = map_len_for(h.data_len, "size")?;
-        let path = format!("/proc/{}/fd/{}", h.pid, h.fd);
-        let stale = |e: io::Error| {
             err(
                 "fd",
                 format!(
-                    "{path} cannot be read ({e}): the segment is gone (stale handle: the process that \
-                     pickled the tensor no longer holds it; keep a reference there until the receiver \
-                     has unpickled it) or the process belongs to another user"
+                    "{path} cannot be opened ({e}): stale handle: {what}. A sender keeps a pickled \
+                     shared tensor's memory until the first receiver has unpickled it, while the \
+                     sender runs: keep the sending process (or a tensor over the memory there) alive \
+                     until the receiver has it, or send the data by value \
+                     (dlbridge.from_dlpack(t, copy=True) pickles its bytes)"
                 ),
             )
-        };
-        // Before opening anything: the link must name a dlbridge memfd (opening a FIFO, a device or
-        // a socket of the named process could block or have effects).
-        let link = std::fs::read_link(&path).map_err(stale)?;
-        let link = link.to_string_lossy();
-        if !link.starts_with(&format!("/memfd:{MEMFD_NAME}")) {
-            return Err(err("fd", format!("{path} is {link:?}, not a dlbridge segment")));
         }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(&path)
-            .map_err(stale)?;
-        let meta = file.metadata().map_err(|e| err("fd", format!("{path}: {e}")))?;
+    }
+}
+
+/// Opens, checks and maps the segment a handle names, through one open file: the handle's
+/// `/proc/<pid>/fd/<fd>` is opened `O_PATH` (which opens nothing for I/O: no FIFO or device
+/// open), checked through that descriptor (its link name, type, device and inode), then reopened
+/// read-write through `/proc/self/fd/<O_PATH descriptor>`, which is the same file whatever the
+/// sender does to its descriptor meanwhile, and checked again (seals, size, header).
+fn open_and_map(h: &Handle, map_len: usize) -> Result<(File, Mapping), ShmError> {
+    let path = format!("/proc/{}/fd/{}", h.pid, h.fd);
+    let opath = open_fd(&path, libc::O_PATH).map_err(|e| unreachable(h, &path, e))?;
+    let me = format!("/proc/self/fd/{}", opath.as_raw_fd());
+    let link = std::fs::read_link(&me).map_err(|e| err("fd", format!("{path}: {e}")))?;
+    let link = link.to_string_lossy();
+    if !link.starts_with(&format!("/memfd:{MEMFD_NAME}")) {
+        return Err(err("fd", format!("{path} is {link:?}, not a dlbridge segment")));
+    }
+    let same_inode = |meta: &std::fs::Metadata| -> Result<(), ShmError> {
         let ft = meta.file_type();
         if !meta.is_file() || ft.is_fifo() || ft.is_socket() {
             return Err(err("fd", format!("{path} is not a regular memfd")));
@@ -284,52 +695,226 @@ impl Segment {
                 ),
             ));
         }
-        // SAFETY: fcntl on a descriptor we own; no argument.
-        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-        let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-        if seals < 0 || seals & need != need {
-            return Err(err("fd", format!("{path} is not sealed against resizing (seals {seals})")));
+        Ok(())
+    };
+    let opath = File::from(opath);
+    same_inode(&opath.metadata().map_err(|e| err("fd", format!("{path}: {e}")))?)?;
+    let file = File::from(open_fd(&me, libc::O_RDWR | libc::O_NONBLOCK | libc::O_NOCTTY).map_err(|e| {
+        out_of_descriptors("fd", &format!("cannot reopen {path}"), &e)
+            .unwrap_or_else(|| err("fd", format!("cannot reopen {path} read-write: {e}")))
+    })?);
+    drop(opath);
+    let meta = file.metadata().map_err(|e| err("fd", format!("{path}: {e}")))?;
+    same_inode(&meta)?;
+    // SAFETY: fcntl on a descriptor we own; no argument.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    let need = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    if seals < 0 || seals & need != need {
+        return Err(err("fd", format!("{path} is not sealed against resizing (seals {seals})")));
+    }
+    if meta.len() != map_len as u64 {
+        return Err(err(
+            "size",
+            format!(
+                "{} bytes of data, but the segment has {}",
+                h.data_len,
+                meta.len().saturating_sub(HEADER_LEN as u64)
+            ),
+        ));
+    }
+    // An error from here unmaps (Mapping's Drop) before returning.
+    let mapping = map(&file, map_len)?;
+    let mut header = [0u8; 32];
+    // SAFETY: the mapping has at least HEADER_LEN >= 32 readable bytes (size checked above,
+    // sealed against shrinking).
+    unsafe { std::ptr::copy_nonoverlapping(mapping.base.as_ptr(), header.as_mut_ptr(), 32) };
+    if header[..8] != MAGIC {
+        return Err(err("fd", format!("{path} has no dlbridge header")));
+    }
+    if header[8..24] != h.id.token {
+        return Err(err("token", "the segment's token differs from the handle's (not the segment named)"));
+    }
+    let len = u64::from_le_bytes(header[24..32].try_into().expect("8 bytes"));
+    if len != h.data_len {
+        return Err(err("size", format!("{} bytes, but the segment's header says {len}", h.data_len)));
+    }
+    Ok((file, mapping))
+}
+
+impl Segment {
+    /// A new zero-filled segment of `data_len` bytes of data, mapped in this process.
+    ///
+    /// Errors: field `memory` when the size is more than the machine could ever back (see
+    /// [`backing_limit`]); `fd` when out of descriptors.
+    pub fn create(data_len: usize) -> Result<Arc<Segment>, ShmError> {
+        let map_len = map_len_for(data_len as u64, "size")?;
+        check_backing(map_len)?;
+        let token = random_token()?;
+        let name = c"dlbridge-shm";
+        // SAFETY: a NUL-terminated name and valid flags; returns a new descriptor or -1.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(out_of_descriptors("fd", "memfd_create", &e)
+                .unwrap_or_else(|| err("memfd_create", e.to_string())));
         }
-        if meta.len() != map_len as u64 {
-            return Err(err(
-                "size",
-                format!(
-                    "{} bytes of data, but the segment has {}",
-                    h.data_len,
-                    meta.len().saturating_sub(HEADER_LEN as u64)
-                ),
-            ));
+        // SAFETY: a descriptor just returned to us, owned by nothing else.
+        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        file.set_len(map_len as u64).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EFBIG) {
+                err("memory", format!("cannot allocate {map_len} bytes of shared memory: {e} (RLIMIT_FSIZE)"))
+            } else {
+                err("size", format!("cannot size a segment to {map_len} bytes: {e}"))
+            }
+        })?;
+        // SAFETY: fcntl on our own descriptor with an integer argument.
+        if unsafe {
+            libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL)
+        } != 0
+        {
+            return Err(err("seals", io::Error::last_os_error().to_string()));
         }
-        let base = map(&file, map_len)?;
-        // The segment is ours from here: an error unmaps it (Drop) before returning.
-        let seg = Segment { file, base, map_len, data_len: map_len - HEADER_LEN, id: h.id };
-        let mut header = [0u8; 32];
-        // SAFETY: the mapping has at least HEADER_LEN >= 32 readable bytes (size checked above,
-        // sealed against shrinking).
-        unsafe { std::ptr::copy_nonoverlapping(base.as_ptr(), header.as_mut_ptr(), 32) };
-        if header[..8] != MAGIC {
-            return Err(err("fd", format!("{path} has no dlbridge header")));
+        let meta = file.metadata().map_err(|e| err("inode", e.to_string()))?;
+        let map = map(&file, map_len)?;
+        // SAFETY: the mapping is `map_len >= HEADER_LEN` bytes, writable, and no other process
+        // knows the segment yet.
+        unsafe {
+            let h = map.base.as_ptr();
+            std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), h, 8);
+            std::ptr::copy_nonoverlapping(token.as_ptr(), h.add(8), 16);
+            std::ptr::copy_nonoverlapping((data_len as u64).to_le_bytes().as_ptr(), h.add(24), 8);
         }
-        if header[8..24] != h.id.token {
-            return Err(err(
-                "token",
-                "the segment's token differs from the handle's (not the segment named)",
-            ));
+        let id = SegmentId { dev: meta.dev(), ino: meta.ino(), token };
+        let seg = Arc::new(Segment { map, file, data_len, id });
+        registry_insert(&mut registry(), &seg);
+        Ok(seg)
+    }
+
+    /// Maps the segment a handle names (the same `Arc` if this process maps it already), after
+    /// checking that it is one of dlbridge's and that it is the one the handle describes, then
+    /// claims the handle's pin (see [`Segment::pin`]).
+    ///
+    /// Lookup, open, map and registration happen under one lock, so however many threads open
+    /// the same handle at once, this process maps the segment once (one address: the borrow
+    /// registry's leases, keyed by address, then cover every view of it).
+    pub fn open(h: &Handle) -> Result<Arc<Segment>, ShmError> {
+        let seg = Self::open_once(h)?;
+        if let Some(pin) = h.pin {
+            seg.claim(pin);
+            // The sender may be this process: release its pin now rather than at the next sweep.
+            sweep_pins();
         }
-        let len = u64::from_le_bytes(header[24..32].try_into().expect("8 bytes"));
-        if len != h.data_len {
-            return Err(err("size", format!("{} bytes, but the segment's header says {len}", h.data_len)));
+        Ok(seg)
+    }
+
+    fn open_once(h: &Handle) -> Result<Arc<Segment>, ShmError> {
+        let map_len = map_len_for(h.data_len, "size")?;
+        let mut reg = registry();
+        if let Some(seg) = registry_find_id(&reg, &h.id) {
+            drop(reg);
+            return if seg.data_len as u64 == h.data_len {
+                Ok(seg)
+            } else {
+                Err(err("size", format!("{} bytes, but the segment holds {}", h.data_len, seg.data_len)))
+            };
         }
-        Ok(Self::register(seg))
+        // Under the lock: no other thread can map this segment meanwhile. Nothing here takes the
+        // lock again (an error drops only a Mapping and Files, never a Segment).
+        let (file, map) = open_and_map(h, map_len)?;
+        let seg = Arc::new(Segment { map, file, data_len: map_len - HEADER_LEN, id: h.id });
+        registry_insert(&mut reg, &seg);
+        drop(reg);
+        Ok(seg)
+    }
+
+    /// The header's pin word `slot`.
+    fn pin_word(&self, slot: usize) -> &AtomicU64 {
+        assert!(slot < PIN_SLOTS);
+        // SAFETY: bytes PIN_BASE + 8 * slot .. + 8 lie in the header (slot < PIN_SLOTS), which is
+        // mapped while `self` lives; the mapping is page-aligned, so the word is 8-aligned;
+        // AtomicU64 has u64's layout, and this process touches these words only atomically
+        // (other processes' writes reach it as the hardware's, like any shared memory).
+        unsafe { &*self.map.base.as_ptr().add(PIN_BASE + 8 * slot).cast::<AtomicU64>() }
+    }
+
+    /// Pins this segment for one receiver: this process keeps it mapped until a process opens a
+    /// handle carrying the returned [`Pin`] (or this process exits); what a pickled shared tensor
+    /// carries, so that a sender may drop the tensor right after sending it. `None` when every
+    /// header slot is taken by other processes' pins (the handle is then valid only while a
+    /// holder lives).
+    pub fn pin(self: &Arc<Self>) -> Option<Pin> {
+        let mut p = pins();
+        let released = take_claimed(&mut p);
+        let found = p.list.iter_mut().find(|e| Arc::ptr_eq(&e.seg, self)).map(|e| {
+            e.since = Instant::now();
+            (e.slot, e.tag)
+        });
+        let mut out = None;
+        if let Some((slot, tag)) = found {
+            let word = self.pin_word(slot);
+            let mut v = word.load(Ordering::Acquire);
+            // Receivers only decrement, and only this process (under the lock) increments or frees.
+            while (v >> 32) as u32 == tag && (v as u32) < u32::MAX {
+                match word.compare_exchange(v, v + 1, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => {
+                        out = Some(Pin { slot: slot as u8, tag });
+                        break;
+                    }
+                    Err(now) => v = now,
+                }
+            }
+        }
+        if out.is_none() {
+            let tag = loop {
+                let t = random_token().map(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]])).unwrap_or(1);
+                if t != 0 {
+                    break t;
+                }
+            };
+            for slot in 0..PIN_SLOTS {
+                let word = self.pin_word(slot);
+                if word
+                    .compare_exchange(0, (u64::from(tag) << 32) | 1, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    p.list.push(Pinned { seg: Arc::clone(self), slot, tag, since: Instant::now() });
+                    ensure_sweeper(&mut p);
+                    out = Some(Pin { slot: slot as u8, tag });
+                    break;
+                }
+            }
+        }
+        drop(p);
+        drop(released);
+        out
+    }
+
+    /// Claims one count of a pin a handle carries (nothing if the slot no longer holds its tag or
+    /// its count is 0: a handle opened more often than it was pickled).
+    fn claim(&self, pin: Pin) {
+        let slot = usize::from(pin.slot);
+        if slot >= PIN_SLOTS {
+            return;
+        }
+        let word = self.pin_word(slot);
+        let mut v = word.load(Ordering::Acquire);
+        while (v >> 32) as u32 == pin.tag && v as u32 != 0 {
+            match word.compare_exchange(v, v - 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(now) => v = now,
+            }
+        }
     }
 
     /// The segment that holds the `len` bytes from `addr` in this process, with the offset of
     /// `addr` from its data.
     pub fn containing(addr: usize, len: usize) -> Option<(Arc<Segment>, usize)> {
         let end = addr.checked_add(len)?;
-        let (start, weak) =
-            live().iter().find(|(s, l, _, _)| addr >= *s && end <= s + l).map(|e| (e.0, e.3.clone()))?;
-        Some((weak.upgrade()?, addr - start))
+        let reg = registry();
+        let found = registry_find_addr(&reg, addr, end);
+        // The upgraded Arc may be the last one only after the lock is released (its Drop locks).
+        drop(reg);
+        found.map(|(start, seg)| (seg, addr - start))
     }
 
     /// The handle by which another process on this machine maps this segment (valid while this
@@ -340,13 +925,14 @@ impl Segment {
             fd: self.file.as_raw_fd(),
             id: self.id,
             data_len: self.data_len as u64,
+            pin: None,
         }
     }
 
     /// The first data byte (256-byte aligned).
     pub fn data(&self) -> *mut u8 {
         // SAFETY: the mapping is at least HEADER_LEN bytes.
-        unsafe { self.base.as_ptr().add(HEADER_LEN) }
+        unsafe { self.map.base.as_ptr().add(HEADER_LEN) }
     }
 
     /// Bytes of data.
@@ -441,12 +1027,9 @@ pub fn fits_in(
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        let me = self.data() as usize;
-        // Out of the registry before the address range can be reused.
-        live().retain(|(s, _, _, w)| *s != me && w.strong_count() > 0);
-        // SAFETY: our own mapping, unmapped once; nothing points into it (every tensor over it
-        // held an Arc, and this is the last). The descriptor closes when `file` drops.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_len) };
+        // Out of the registry before the address range can be reused (the mapping is unmapped,
+        // and the descriptor closed, when the fields drop after this).
+        registry_remove(&mut registry(), self.data() as usize);
     }
 }
 
@@ -482,12 +1065,11 @@ mod tests {
             .write(true)
             .open(format!("/proc/self/fd/{}", h.fd))
             .unwrap();
-        let base = map(&file, HEADER_LEN + 64).unwrap();
+        let m = map(&file, HEADER_LEN + 64).unwrap();
         // SAFETY: both mappings are HEADER_LEN + 64 bytes of the same memfd.
         unsafe {
-            *base.as_ptr().add(HEADER_LEN + 3) = 9;
+            *m.base.as_ptr().add(HEADER_LEN + 3) = 9;
             assert_eq!(*s.data().add(3), 9);
-            libc::munmap(base.as_ptr().cast(), HEADER_LEN + 64);
         }
     }
 
@@ -542,5 +1124,185 @@ mod tests {
         assert!(weak.upgrade().is_some());
         drop(t);
         assert!(weak.upgrade().is_none());
+    }
+
+    /// Many threads opening one handle at once (the segment not mapped in this process yet) get
+    /// one mapping: one Arc, one address. Before, each could map it, and the borrow registry
+    /// (keyed by address) then let a `&mut` on one mapping coexist with a `&` on another.
+    #[test]
+    fn concurrent_opens_map_a_segment_once() {
+        use std::sync::Barrier;
+        const THREADS: usize = 8;
+        for _ in 0..200 {
+            let s = Segment::create(64).unwrap();
+            // A second descriptor of the memfd names it while the creator's mapping is gone.
+            // SAFETY: dup of our own open descriptor.
+            let keep = unsafe { OwnedFd::from_raw_fd(libc::dup(s.file.as_raw_fd())) };
+            let h = Handle { fd: keep.as_raw_fd(), ..s.handle() };
+            drop(s);
+            assert!(registry_find_id(&registry(), &h.id).is_none());
+            let barrier = Barrier::new(THREADS);
+            let got: Vec<Arc<Segment>> = std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..THREADS)
+                    .map(|_| {
+                        sc.spawn(|| {
+                            barrier.wait();
+                            Segment::open(&h).unwrap()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|j| j.join().unwrap()).collect()
+            });
+            for g in &got {
+                assert!(Arc::ptr_eq(g, &got[0]), "one segment mapped twice in one process");
+            }
+            let reg = registry();
+            assert_eq!(reg.iter().filter(|e| e.id == h.id && e.seg.strong_count() > 0).count(), 1);
+        }
+    }
+
+    /// A pin keeps the segment after the sender drops it, until a receiver opens the handle that
+    /// carries it; a second pickle of the same segment counts in the same slot.
+    #[test]
+    fn a_pin_keeps_the_segment_until_claimed() {
+        let s = Segment::create(64).unwrap();
+        let w = Arc::downgrade(&s);
+        let p1 = s.pin().unwrap();
+        let p2 = s.pin().unwrap();
+        assert_eq!(p1, p2);
+        let h = Handle { pin: Some(p1), ..s.handle() };
+        drop(s);
+        sweep_pins();
+        assert!(w.upgrade().is_some(), "pinned: still mapped");
+        let a = Segment::open(&h).unwrap();
+        drop(a);
+        sweep_pins();
+        assert!(w.upgrade().is_some(), "one pin left");
+        // A handle whose tag is not the slot's claims nothing.
+        let wrong = Handle { pin: Some(Pin { tag: p1.tag ^ 1, ..p1 }), ..h };
+        drop(Segment::open(&wrong).unwrap());
+        sweep_pins();
+        assert!(w.upgrade().is_some());
+        drop(Segment::open(&h).unwrap());
+        sweep_pins();
+        assert!(w.upgrade().is_none(), "both pins claimed: freed");
+    }
+
+    /// The descriptor a handle names is swapped between a dlbridge memfd and a FIFO, as fast as
+    /// a thread can, while another opens the handle: the FIFO is never opened (inotify counts
+    /// the opens of its inode; an O_PATH descriptor is not an open). Before, the link was read,
+    /// then the path opened again: the FIFO got opened in the window.
+    #[test]
+    fn a_swapped_descriptor_is_never_opened() {
+        use std::sync::atomic::AtomicBool;
+        let s = Segment::create(64).unwrap();
+        let dir = std::env::temp_dir().join(format!("dlbridge-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_file(&dir);
+        let cpath = CString::new(dir.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(cpath.as_ptr(), 0o600) }, 0);
+        let fifo = open_fd(dir.to_str().unwrap(), libc::O_RDWR | libc::O_NONBLOCK).unwrap();
+        // SAFETY: inotify on a path we made; the descriptor is ours.
+        let ino = unsafe { OwnedFd::from_raw_fd(libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC)) };
+        // SAFETY: as above.
+        assert!(unsafe { libc::inotify_add_watch(ino.as_raw_fd(), cpath.as_ptr(), libc::IN_OPEN) } >= 0);
+        // The number that alternates (`slot`), and the memfd kept open by a second descriptor.
+        // SAFETY: dups of our own descriptor.
+        let (mem, slot) = unsafe {
+            (
+                OwnedFd::from_raw_fd(libc::dup(s.file.as_raw_fd())),
+                OwnedFd::from_raw_fd(libc::dup(s.file.as_raw_fd())),
+            )
+        };
+        let h = Handle { fd: slot.as_raw_fd(), ..s.handle() };
+        drop(s); // not in the registry: every open goes through /proc
+        let stop = AtomicBool::new(false);
+        let (mut ok, mut refused) = (0, 0);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let mut flip = false;
+                while !stop.load(Ordering::Relaxed) {
+                    flip = !flip;
+                    let from = if flip { fifo.as_raw_fd() } else { mem.as_raw_fd() };
+                    // SAFETY: dup2 onto a descriptor number this test owns (`slot`).
+                    unsafe { libc::dup2(from, slot.as_raw_fd()) };
+                }
+            });
+            // At least 50,000 tries, and until both states were seen often (a busy machine may
+            // schedule the swapping thread late), at most 500,000.
+            for i in 0..500_000 {
+                if i >= 50_000 && ok >= 1000 && refused >= 1000 {
+                    break;
+                }
+                match Segment::open(&h) {
+                    Ok(_) => ok += 1,
+                    Err(_) => refused += 1,
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        let mut buf = [0u8; 4096];
+        let mut opens = 0;
+        loop {
+            // SAFETY: reads into our buffer from our descriptor.
+            let n = unsafe { libc::read(ino.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                break;
+            }
+            let mut off = 0;
+            while off < n as usize {
+                // SAFETY: the kernel wrote whole inotify_event records into the first n bytes.
+                let ev =
+                    unsafe { std::ptr::read_unaligned(buf.as_ptr().add(off).cast::<libc::inotify_event>()) };
+                if ev.mask & libc::IN_OPEN != 0 {
+                    opens += 1;
+                }
+                off += std::mem::size_of::<libc::inotify_event>() + ev.len as usize;
+            }
+        }
+        let _ = std::fs::remove_file(&dir);
+        assert!(ok >= 1000 && refused >= 1000, "the race ran: {ok} opened, {refused} refused");
+        assert_eq!(opens, 0, "the FIFO was opened {opens} times");
+    }
+
+    /// A child forked while another thread of its parent holds the pin list's lock takes the
+    /// lock over (its holder does not exist in the child) instead of waiting forever.
+    #[test]
+    fn the_pin_list_survives_a_fork_while_locked() {
+        let s = Segment::create(64).unwrap();
+        let (locked, unlock) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+        let holder = std::thread::spawn(move || {
+            let _g = pins();
+            locked.0.send(()).unwrap();
+            unlock.1.recv().unwrap();
+        });
+        locked.1.recv().unwrap();
+        // SAFETY: the child only pins (the lock, a Vec, a header word, a thread) and _exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = if s.pin().is_some() { 0 } else { 1 };
+            // SAFETY: leaves the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(code) };
+        }
+        unlock.0.send(()).unwrap();
+        holder.join().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut status = 0;
+        loop {
+            // SAFETY: waits for our own child without blocking.
+            if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                // SAFETY: our own child.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                panic!("the child hung on the pin list's lock");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status}");
     }
 }

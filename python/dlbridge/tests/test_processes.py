@@ -68,6 +68,17 @@ def holders(ino: int) -> set[int]:
     return found
 
 
+def eventually(check, what: str) -> None:
+    """Waits (at most WAIT seconds) until `check()` is true: a sender releases the pin of a pickled
+    segment a few milliseconds after a receiver has opened it (its sweeper thread)."""
+    import time
+
+    deadline = time.monotonic() + WAIT
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def dev_shm() -> set[str]:
     """The files in /dev/shm that hold a dlbridge segment (its header's magic): there must be none,
     ever. (Other programs on the machine may come and go there meanwhile: they are not counted.)"""
@@ -202,7 +213,9 @@ def test_share_copies_once_and_not_when_already_shared():
     assert bytes(memoryview(s))[0] == 1  # a copy
     again = dlbridge.share(s)
     assert again.data_ptr == s.data_ptr  # no second copy
-    assert dlbridge.share(b"\x01\x02").readonly  # read-only stays read-only
+    # A copy is new memory only dlbridge holds: writable, whatever the source was.
+    c = dlbridge.share(b"\x01\x02")
+    assert not c.readonly and bytes(memoryview(c)) == b"\x01\x02"
     with pytest.raises(TypeError):
         dlbridge.share(object())
 
@@ -252,7 +265,7 @@ def test_dropping_the_last_tensor_frees_the_segment():
     assert holders(ino) == {os.getpid()}  # u still holds it
     del u
     gc.collect()
-    assert holders(ino) == set()
+    assert holders(ino) == set()  # the pickle's pin was claimed by the loads in this process
     assert dev_shm() == shm_before == set()
 
 
@@ -282,10 +295,10 @@ def test_a_child_maps_the_same_memory(method):
 def test_read_only_and_layout_survive(method):
     np = need("numpy")
     ctx = mp.get_context(method)
-    a = np.arange(6, dtype=np.float32)
+    a = np.from_dlpack(dlbridge.shared_empty(6, "float32"))
     a.flags.writeable = False
-    ro = dlbridge.share(a)
-    assert ro.readonly
+    ro = dlbridge.share(a)  # a read-only view of shared memory: itself, read-only
+    assert ro.readonly and ro.data_ptr == a.ctypes.data
     q = ctx.Queue()
     p = ctx.Process(target=child_readonly, args=(ro, q))
     p.start()
@@ -370,7 +383,7 @@ def test_a_sigkilled_child_leaves_nothing():
         assert floats(t)[0] == 5.0
         del t
         gc.collect()
-        assert holders(ino) == {pid}  # only the child keeps it now
+        eventually(lambda: holders(ino) == {pid}, "only the child keeps it now")
         os.kill(pid, signal.SIGKILL)
         p.join(WAIT)
         assert p.exitcode == -signal.SIGKILL
@@ -439,6 +452,9 @@ def test_hostile_handles_are_clear_errors():
         (with_field(h, 1, 1, 60), "handle.shape/strides/offsets"),
         (with_field(h, 2, 0, (2, 33, 1)), "dtype"),
         (with_field(h, 2, 1, [4, 4, 4]), "strides"),
+        (with_field(h, 0, 7, 28), "handle.pin_slot"),
+        (with_field(with_field(h, 0, 7, 0), 0, 8, 0), "handle.pin_slot"),  # a pin's tag is never 0
+        (with_field(h, 0, 8, -1), "handle.pin_tag"),
         ((h[0],), "handle"),
         ("nonsense", "handle"),
     ]
@@ -487,13 +503,21 @@ def err(h) -> str:
     return str(e.value)
 
 
-def test_a_stale_handle_is_an_error():
+def test_a_pickle_keeps_the_memory_until_its_first_load_then_is_stale():
     t = dlbridge.shared_empty(16, "uint8")
+    memoryview(t)[3] = 7
+    ino = segment_inode(t)
     p = pickle.dumps(t)
     del t
     gc.collect()
+    assert holders(ino) == {os.getpid()}  # pinned for the receiver
+    u = pickle.loads(p)  # the first load claims the pin
+    assert memoryview(u)[3] == 7
+    del u
+    gc.collect()
+    assert holders(ino) == set()
     # The descriptor is closed (or its number reused by something else): either way, refused.
-    with pytest.raises(BufferError, match="handle.fd: "):
+    with pytest.raises(BufferError, match="handle.fd: .*stale handle"):
         pickle.loads(p)
 
 
@@ -506,7 +530,7 @@ def test_a_stale_handle_from_an_exited_child_is_an_error():
         data = q.get(timeout=WAIT)
     finally:
         reap(p)
-    with pytest.raises(BufferError, match="handle.fd"):
+    with pytest.raises(BufferError, match=f"handle.fd: .*stale handle: process {p.pid}, which pickled the tensor, has exited"):
         pickle.loads(data)
 
 
@@ -543,3 +567,212 @@ def test_mutated_handles_never_crash():
             last = sum(max(0, (d - 1) * s) for d, s in zip(u.shape, u.strides))
             assert lo <= u.data_ptr + first * item and u.data_ptr + (last + 1) * item <= hi, (bad, u)
     assert 0 < made < 3000
+
+
+# ---- the rest of the contract: limits, descriptors, permissions, what the README says ------------
+
+
+def run_script(code: str, *args: str, input: str | None = None) -> str:
+    """Runs `code` in a fresh Python (this one), bounded; returns its stdout (asserting exit 0)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code, *args], input=input, capture_output=True, text=True, timeout=WAIT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_more_than_the_machine_can_back_is_a_memory_error():
+    """4 TiB used to succeed on a 24 GiB machine (the OOM killer came later); numpy raises
+    MemoryError for the same. The message names the size and the limit."""
+    with pytest.raises(MemoryError, match=r"4398046511360 bytes \(4\.0 TiB\).* can ever back \(\d+ bytes"):
+        dlbridge.shared_empty(2**40, "float32")
+    with pytest.raises(MemoryError, match="memory plus swap|memory cgroup"):
+        dlbridge.shared_empty((2**20, 2**20), "int8")
+    assert dlbridge.shared_empty(1 << 22, "float32").size == 1 << 22  # 16 MiB: below every limit
+
+
+def test_a_memfd_file_size_limit_is_a_memory_error():
+    """RLIMIT_FSIZE limits a memfd as any file (a child sets it): MemoryError naming it, where
+    ftruncate's EFBIG used to be a BufferError about the size."""
+    out = run_script(
+        "import resource, dlbridge\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "assert dlbridge.shared_empty(8 << 20, 'float32').size == 8 << 20\n"
+        "try:\n"
+        "    dlbridge.shared_empty(32 << 20, 'float32')\n"
+        "except MemoryError as e:\n"
+        "    print('MemoryError', e)\n"
+    )
+    assert out.startswith("MemoryError") and "134217984 bytes" in out and "RLIMIT_FSIZE" in out, out
+
+
+IN_A_CGROUP = r"""
+import os, sys
+open(os.path.join(sys.argv[1], "cgroup.procs"), "w").write(str(os.getpid()))
+import dlbridge
+assert dlbridge.shared_empty(4 << 20, "float32").size == 4 << 20
+try:
+    dlbridge.shared_empty(1 << 28, "float32")
+    print("made 1 GiB")
+except MemoryError as e:
+    print("MemoryError", e)
+"""
+
+
+def memory_cgroup_dir() -> str | None:
+    """A new child of this process's memory cgroup (v1 or v2) limited to 512 MiB, if this process
+    may make one (root with a writable cgroup file system), else None."""
+    with open("/proc/self/cgroup") as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    for hid, ctrls, path in lines:
+        v2 = hid == "0" and ctrls == ""
+        if not v2 and "memory" not in ctrls.split(","):
+            continue
+        base = ("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory") + path
+        limit_file = "memory.max" if v2 else "memory.limit_in_bytes"
+        d = os.path.join(base, f"dlbridge-test-{os.getpid()}")
+        try:
+            os.mkdir(d)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(d, limit_file), "w") as f:
+                f.write(str(512 << 20))
+            return d
+        except OSError:
+            os.rmdir(d)
+    return None
+
+
+def test_a_memory_cgroup_limit_is_a_memory_error():
+    """A child in a memory cgroup of 512 MiB asks for 1 GiB: MemoryError naming the cgroup's file
+    (the cgroup is made for the test; skipped where this process may not make one)."""
+    d = memory_cgroup_dir()
+    if d is None:
+        pytest.skip("cannot make a memory cgroup here (needs root and a writable cgroup file system)")
+    try:
+        out = run_script(IN_A_CGROUP, d)
+    finally:
+        os.rmdir(d)
+    assert out.startswith("MemoryError") and "memory cgroup" in out and d in out and "536870912 bytes" in out, out
+
+
+RECEIVE_WITHOUT_DESCRIPTORS = r"""
+import os, pickle, resource, sys
+import dlbridge
+blob = bytes.fromhex(sys.stdin.readline())
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+top = max(int(x) for x in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+held = []
+while True:
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+try:
+    pickle.loads(blob)
+    print("opened")
+except BufferError as e:
+    print(e)
+for fd in held:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("then", list(memoryview(pickle.loads(blob)).cast("B").cast("f")))  # claims the pin
+"""
+
+
+def test_a_receiver_out_of_descriptors_is_told_so():
+    """Not "stale handle": the receiver (a child at its RLIMIT_NOFILE) is out of descriptors."""
+    t = dlbridge.shared_empty(2, "float32")
+    floats(t)[1] = 3.0
+    out = run_script(RECEIVE_WITHOUT_DESCRIPTORS, input=pickle.dumps(t).hex() + "\n").splitlines()
+    assert "this process is out of file descriptors" in out[0] and "RLIMIT_NOFILE" in out[0], out
+    assert "stale" not in out[0], out
+    assert out[1] == "then [0.0, 3.0]"
+
+
+# Both sides drop CAP_SYS_PTRACE when run as root, so that ptrace's access rules apply to them as
+# to any user (root with CAP_SYS_PTRACE may open any process's descriptors).
+DROP_PTRACE = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+if os.geteuid() == 0:
+    class H(ctypes.Structure):
+        _fields_ = [("v", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class D(ctypes.Structure):
+        _fields_ = [("e", ctypes.c_uint32), ("p", ctypes.c_uint32), ("i", ctypes.c_uint32)]
+    h, d = H(0x20080522, 0), (D * 2)()
+    assert libc.capget(ctypes.byref(h), d) == 0
+    for f in ("e", "p", "i"):
+        setattr(d[0], f, getattr(d[0], f) & ~(1 << 19))  # CAP_SYS_PTRACE
+    assert libc.capset(ctypes.byref(h), d) == 0, ctypes.get_errno()
+"""
+SEND_AND_WAIT = DROP_PTRACE + r"""
+import pickle, sys
+import dlbridge
+if sys.argv[1] == "0":
+    assert libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE, 0
+t = dlbridge.shared_empty(4, "float32")
+sys.stdout.write(pickle.dumps(t).hex() + "\n")
+sys.stdout.flush()
+sys.stdin.readline()
+"""
+RECEIVE = DROP_PTRACE + r"""
+import pickle, sys
+import dlbridge
+try:
+    print("opened", pickle.loads(bytes.fromhex(sys.stdin.readline())).shape)
+except BufferError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("dumpable", [True, False])
+def test_a_sender_that_is_not_dumpable_cannot_be_opened_and_the_error_says_why(dumpable):
+    """Linux opens /proc/<pid>/fd of another process only with ptrace read access: a same-user
+    sender that made itself non-dumpable is refused, and the error names the rule."""
+    import subprocess
+
+    s = subprocess.Popen([sys.executable, "-c", SEND_AND_WAIT, "1" if dumpable else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        blob = s.stdout.readline()
+        out = run_script(RECEIVE, input=blob)
+    finally:
+        s.communicate("\n", timeout=WAIT)
+    if dumpable:
+        assert out == "opened (4,)\n", out
+    else:
+        assert "handle.fd" in out and "permission denied" in out and "dumpable" in out and "PR_SET_DUMPABLE" in out, out
+        assert "stale" not in out, out
+
+
+def test_a_strided_view_of_shared_memory_pickles_as_a_handle():
+    """`a[::2]` of a shared tensor is shared memory too: a handle, the same memory, its strides
+    (the README said by value; a copy would silently cut the view off from the memory)."""
+    np = need("numpy")
+    t = dlbridge.shared_empty(10, "float32")
+    v = dlbridge.asdlpack(np.from_dlpack(t)[::2])
+    p = pickle.dumps(v)
+    assert len(p) < 1024
+    u = pickle.loads(p)
+    assert (u.data_ptr, u.shape, u.strides) == (t.data_ptr, (5,), (2,))
+    np.from_dlpack(u)[1] = 4.0
+    assert floats(t)[2] == 4.0
+    # By value when asked: a copy is private memory, which pickles its bytes.
+    c = dlbridge.from_dlpack(v, copy=True)
+    assert len(pickle.dumps(c, protocol=4)) > 5 * 4 and pickle.loads(pickle.dumps(c)).data_ptr != t.data_ptr
+
+
+def test_share_of_a_jax_array_is_writable_and_goes_to_jax():
+    """jax arrays are read-only; share() copies into new memory only dlbridge holds, so the copy is
+    writable, and jax (which refuses read-only tensors) takes it."""
+    jax = need("jax")
+    np = need("numpy")
+    x = jax.numpy.arange(6.0, dtype=jax.numpy.float32).reshape(2, 3)
+    s = dlbridge.share(x)
+    assert not s.readonly
+    np.from_dlpack(s)[0, 0] = 9.0
+    y = jax.numpy.from_dlpack(s)
+    assert y.tolist() == [[9.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert float(x[0, 0]) == 0.0  # a copy

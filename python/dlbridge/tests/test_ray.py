@@ -146,3 +146,79 @@ def test_a_shared_tensor_maps_the_same_memory_in_a_task(ray):
     # Through ray.put too: the object store holds only the handle.
     out = ray.get(ray.remote(write_shared).remote(ray.put(t)), timeout=WAIT)
     assert out["first"] == 4.0
+
+
+def make_shared(n: int) -> dlbridge.Tensor:
+    """A shared tensor made in the worker (0, 1, 2, ...), returned: the worker drops it."""
+    import numpy as np
+
+    t = dlbridge.shared_empty(n, "float32")
+    np.from_dlpack(t)[:] = np.arange(n, dtype=np.float32)
+    return t
+
+
+def sum_and_write(t: dlbridge.Tensor) -> float:
+    import numpy as np
+
+    a = np.from_dlpack(t)
+    a[0] = 5.0
+    return float(a.sum())
+
+
+def test_a_task_returns_a_shared_tensor(ray):
+    """The worker drops the tensor once Ray has pickled it; its pin keeps the memory until the
+    driver has unpickled it (before, a stale handle: ray.get raised)."""
+    np = need("numpy")
+    u = ray.get(ray.remote(make_shared).remote(1000), timeout=WAIT)
+    assert isinstance(u, dlbridge.Tensor) and not u.readonly
+    assert np.from_dlpack(u).tolist() == list(range(1000))
+    assert region(u.data_ptr)[2].startswith("/memfd:dlbridge-shm")  # shared memory, not the store
+    np.from_dlpack(u)[0] = 7.0
+
+
+def test_a_temporary_shared_tensor_as_a_task_argument(ray):
+    """`f.remote(shared_empty(...))`: the driver drops the temporary once the argument is pickled;
+    the pin keeps it until the worker has it (before, the task raised)."""
+    import gc
+
+    need("numpy")
+    f = ray.remote(sum_and_write)
+    assert ray.get(f.remote(dlbridge.shared_empty(10, "float32")), timeout=WAIT) == 5.0
+    # Dropped for sure before the task is even submitted: a ray.put of a temporary.
+    ref = ray.put(dlbridge.shared_empty(10, "float32"))
+    gc.collect()
+    assert ray.get(f.remote(ref), timeout=WAIT) == 5.0
+
+
+@pytest.fixture
+def exited_worker_result(ray):
+    """A shared tensor an actor returned, whose actor has exited before the driver reads it."""
+    import os
+    import time
+
+    @ray.remote
+    class Maker:
+        def make(self):
+            return os.getpid(), make_shared(4)
+
+    m = Maker.remote()
+    ref = m.make.remote()
+    ready, _ = ray.wait([ref], timeout=WAIT)
+    assert ready
+    pid = ray.get(m.make.remote(), timeout=WAIT)[0]  # the actor's pid (this result is read here)
+    ray.kill(m)
+    deadline = time.monotonic() + WAIT
+    while os.path.exists(f"/proc/{pid}/fd") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ref, pid
+
+
+def test_a_shared_tensor_from_an_exited_worker_is_a_clear_error(ray, exited_worker_result):
+    """The memory cannot reach the driver once the process that pickled it has exited: the error
+    says so and says what to do (never a hang, never someone else's memory)."""
+    ref, pid = exited_worker_result
+    with pytest.raises(Exception) as e:
+        ray.get(ref, timeout=WAIT)
+    msg = str(e.value)
+    assert f"stale handle: process {pid}, which pickled the tensor, has exited" in msg, msg
+    assert "keep the sending process" in msg and "copy=True" in msg, msg

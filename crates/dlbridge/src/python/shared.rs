@@ -2,10 +2,12 @@
 //! (`Tensor.__reduce_ex__`). The one door between Python and [`crate::shm`].
 //!
 //! A Tensor pickles as:
-//! - **a handle** when its memory lies in a shared segment ([`crate::shm`]), whatever the protocol:
-//!   a tuple of a few integers (under 1 KiB whatever the size); unpickling in any process on the
-//!   machine maps the same memory while some process still holds it (see `shm`'s docs for the
-//!   lifetime);
+//! - **a handle** when its memory lies in a shared segment ([`crate::shm`]), whatever the protocol
+//!   and whatever its strides (a view such as `a[::2]` of shared memory is shared memory): a tuple
+//!   of a few integers (under 1 KiB whatever the size); unpickling in any process on the machine
+//!   maps the same memory. Pickling pins the segment in the pickling process until a receiver
+//!   has opened the pickle, so a worker may return a shared tensor and drop it (see `shm`'s docs
+//!   for the lifetime);
 //! - **one out-of-band `PickleBuffer`** over its bytes with protocol 5 (no copy at pickling; with
 //!   a `buffer_callback` the bytes travel beside the pickle, as Ray's object store takes them;
 //!   without one, in-band: `bytes` for a read-only tensor, `bytearray` otherwise);
@@ -13,9 +15,9 @@
 //!
 //! The buffer and bytes forms carry the byte range the elements span with the tensor's own
 //! strides, so the unpickled tensor has the same dtype, shape and strides (negative, zero,
-//! Fortran order); a tensor with gaps between its elements (a slice such as `a[::2]`, whose span
-//! is larger than its elements) is made C-contiguous first, one copy, rather than sending memory
-//! that is not the tensor's. Unpickling a buffer gives a tensor over that buffer (zero-copy: a Ray
+//! Fortran order); a (non-shared) tensor with gaps between its elements (a slice such as
+//! `a[::2]`, whose span is larger than its elements) is made C-contiguous first, one copy, rather
+//! than sending memory that is not the tensor's. Unpickling a buffer gives a tensor over that buffer (zero-copy: a Ray
 //! worker's tensor lies in the object store), read-only if the tensor was or if the buffer is
 //! (the object store's are, as numpy's arrays from it are); bytes are copied once into aligned
 //! memory.
@@ -47,6 +49,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use std::time::Duration;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
@@ -64,11 +67,11 @@ use crate::export::{AlignedBuffer, HostBuffer};
 use crate::flags::Flags;
 use crate::layout;
 use crate::managed::ManagedTensor;
-use crate::shm::{Handle, Segment, SegmentId};
+use crate::shm::{Handle, Pin, Segment, SegmentId};
 
 /// The first item of a shared tensor's handle tuple, and its version.
 const HANDLE_TAG: &str = "dlbridge-shm";
-const HANDLE_VERSION: u32 = 1;
+const HANDLE_VERSION: u32 = 2;
 /// The first item of a CUDA tensor's handle tuple, and its version.
 const CUDA_TAG: &str = "dlbridge-cuda";
 const CUDA_VERSION: u32 = 1;
@@ -78,6 +81,9 @@ static REBUILD_SHARED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_BUFFER: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_BYTES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static REBUILD_CUDA: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static WAIT_FOR_PINS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+/// The pid of the process whose exit hooks wait for pins ([`register_exit_wait`]).
+static EXIT_WAIT_PID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Adds `shared_empty`, `share` and the private rebuild functions to a module.
 pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -89,13 +95,14 @@ pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (wrap_pyfunction!(_rebuild_buffer, m)?, &REBUILD_BUFFER),
         (wrap_pyfunction!(_rebuild_bytes, m)?, &REBUILD_BYTES),
         (wrap_pyfunction!(_rebuild_cuda, m)?, &REBUILD_CUDA),
+        (wrap_pyfunction!(_wait_for_pins, m)?, &WAIT_FOR_PINS),
     ] {
         m.add_function(f.clone())?;
         let _ = slot.set(py, f.into_any().unbind());
     }
     // PyO3 lists every added function in `__all__`; the rebuild functions are private.
     let all = m.index()?;
-    for name in ["_rebuild_shared", "_rebuild_buffer", "_rebuild_bytes", "_rebuild_cuda"] {
+    for name in ["_rebuild_shared", "_rebuild_buffer", "_rebuild_bytes", "_rebuild_cuda", "_wait_for_pins"] {
         all.call_method1("remove", (name,))?;
     }
     Ok(())
@@ -150,6 +157,10 @@ fn shape_arg(shape: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 }
 
 fn shm_error(what: &str, e: crate::shm::ShmError) -> PyErr {
+    if e.field == "memory" {
+        // As numpy refuses an allocation no machine of this size could back.
+        return pyo3::exceptions::PyMemoryError::new_err(format!("{what}: {}", e.message));
+    }
     PyBufferError::new_err(format!("{what}: {e}"))
 }
 
@@ -178,15 +189,21 @@ fn compact_bytes(dtype: DataType, shape: &[i64], padded: bool) -> PyResult<usize
 /// Raises:
 ///     TypeError: `shape` or `dtype` of the wrong type.
 ///     ValueError: a negative extent, an unknown dtype name, too many dimensions.
-///     BufferError: the segment cannot be made (memory, descriptors).
+///     MemoryError: more bytes than this machine could ever back: its memory plus swap, this
+///         process's memory cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`, plus swap) or
+///         `RLIMIT_FSIZE` (the message names the size and the limit). Pages are only reserved
+///         when touched, so a size under the limit can still run out later, as `numpy.empty` can.
+///     BufferError: the segment cannot be made (descriptors, the kernel's refusal).
 #[pyfunction]
 fn shared_empty(shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    super::enter(shape.py());
+    let py = shape.py();
+    super::enter(py);
     let dtype = dtype_arg(dtype)?;
     dtype.validate()?;
     let shape = shape_arg(shape)?;
     let bytes = compact_bytes(dtype, &shape, false)?;
     let seg = Segment::create(bytes).map_err(|e| shm_error("shared_empty()", e))?;
+    register_exit_wait(py);
     Ok(Tensor::new(seg.tensor(dtype, &shape, None, 0, 0, Flags::NONE)?))
 }
 
@@ -214,11 +231,13 @@ fn segment_of(t: &ManagedTensor) -> Option<(Arc<Segment>, u64, u64)> {
     Some((seg, off, byte_offset))
 }
 
-/// `dlbridge.share(x)`: a shared tensor with `x`'s contents (dtype, shape, read-only-ness): `x`
-/// itself, as a Tensor, when its memory already lies in a shared segment; otherwise one copy into
-/// a new segment (C-contiguous). A CUDA `x` is returned as a Tensor over the same memory (no
-/// copy) once the driver has confirmed that its allocation has a CUDA IPC handle; its pickle is
-/// that handle (see the module docs for the stream and lifetime contract).
+/// `dlbridge.share(x)`: a shared tensor with `x`'s contents (dtype, shape): `x` itself, as a
+/// Tensor (read-only if `x` is), when its memory already lies in a shared segment; otherwise one
+/// copy into a new segment (C-contiguous), which is writable whatever `x` was: it is new memory
+/// that only dlbridge holds (so a copy of a jax array, which is read-only, goes back to jax). A
+/// CUDA `x` is returned as a Tensor over the same memory (no copy) once the driver has confirmed
+/// that its allocation has a CUDA IPC handle; its pickle is that handle (see the module docs for
+/// the stream and lifetime contract).
 ///
 /// Args:
 ///     x: any DLPack producer or object with an array protocol, in host memory or CUDA memory.
@@ -247,11 +266,12 @@ fn share(x: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     if segment_of(&t).is_some() {
         return Ok(Tensor::new(t));
     }
-    copy_to_segment(&t, "share()")
+    copy_to_segment(x.py(), &t, "share()", false)
 }
 
-/// A new shared tensor with a C-contiguous copy of a host tensor's elements, dtype and flags.
-fn copy_to_segment(t: &ManagedTensor, what: &str) -> PyResult<Tensor> {
+/// A new shared tensor with a C-contiguous copy of a host tensor's elements and dtype, read-only
+/// if `readonly`.
+fn copy_to_segment(py: Python<'_>, t: &ManagedTensor, what: &str, readonly: bool) -> PyResult<Tensor> {
     let padded = t.flags().is_subbyte_padded();
     let bytes = compact_bytes(t.dtype(), t.shape(), padded)?;
     let copied;
@@ -262,14 +282,14 @@ fn copy_to_segment(t: &ManagedTensor, what: &str) -> PyResult<Tensor> {
         &copied
     };
     let seg = Segment::create(bytes).map_err(|e| shm_error(what, e))?;
+    register_exit_wait(py);
     {
         let _lease = src.lease(false)?;
         // SAFETY: `src` is a compact host tensor of `bytes` bytes from its first element (C order,
         // validated on entry); the segment has `bytes` bytes of data; a shared lease is held.
         unsafe { std::ptr::copy_nonoverlapping(src.data_ptr().cast::<u8>(), seg.data(), bytes) };
     }
-    let flags =
-        Flags::NONE.with(Flags::READ_ONLY, t.is_read_only()).with(Flags::IS_SUBBYTE_TYPE_PADDED, padded);
+    let flags = Flags::NONE.with(Flags::READ_ONLY, readonly).with(Flags::IS_SUBBYTE_TYPE_PADDED, padded);
     Ok(Tensor::new(seg.tensor(t.dtype(), t.shape(), None, 0, 0, flags)?))
 }
 
@@ -285,7 +305,9 @@ pub(crate) fn deepcopy<'py>(slf: &Bound<'py, Tensor>) -> PyResult<Bound<'py, PyA
         )));
     }
     if segment_of(t).is_some() {
-        return Ok(Bound::new(slf.py(), copy_to_segment(t, "deepcopy()")?)?.into_any());
+        return Ok(
+            Bound::new(slf.py(), copy_to_segment(slf.py(), t, "deepcopy()", t.is_read_only())?)?.into_any()
+        );
     }
     let reduced = reduce_ex(slf, 4)?;
     reduced.get_item(0)?.call1(reduced.get_item(1)?.cast_into::<PyTuple>()?)
@@ -341,8 +363,23 @@ pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResul
     let (readonly, dtype) = (t.is_read_only(), dtype_tuple(t.dtype()));
     if let Some((seg, data_offset, byte_offset)) = segment_of(t) {
         let h = seg.handle();
+        // The sender keeps the memory until a receiver has opened this pickle (see the module docs).
+        let (slot, tag) = seg.pin().map_or((-1, 0), |p| (i32::from(p.slot), p.tag));
+        if slot >= 0 {
+            register_exit_wait(py);
+        }
         let handle = (
-            (HANDLE_TAG, HANDLE_VERSION, h.pid, h.fd, h.id.dev, h.id.ino, PyBytes::new(py, &h.id.token)),
+            (
+                HANDLE_TAG,
+                HANDLE_VERSION,
+                h.pid,
+                h.fd,
+                h.id.dev,
+                h.id.ino,
+                PyBytes::new(py, &h.id.token),
+                slot,
+                tag,
+            ),
             (h.data_len, data_offset, byte_offset),
             (dtype, t.shape(), t.strides(), readonly, padded),
         );
@@ -379,6 +416,41 @@ pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResul
         let args = (data, meta.0, meta.1, meta.2, meta.3, meta.4, meta.5).into_pyobject(py)?;
         PyTuple::new(py, [rebuild_fn(py, &REBUILD_BYTES)?, args.into_any()])
     }
+}
+
+/// Waits (GIL released), at most 2 s, until every shared tensor this process pickled in the last
+/// 10 s has been opened by a receiver (private: run at exit, see [`register_exit_wait`]).
+#[pyfunction]
+fn _wait_for_pins(py: Python<'_>) {
+    py.detach(|| crate::shm::wait_for_recent_pins(Duration::from_secs(10), Duration::from_secs(2)));
+}
+
+/// Makes this process wait for its recent pins before it exits (once per process, when it first
+/// makes, opens or pickles a segment): an `atexit` hook, and a `multiprocessing` finalizer (a
+/// multiprocessing child leaves through `os._exit` after the finalizers registered before its
+/// exit began: registering when the tensor is made, not when a queue's feeder thread pickles it,
+/// puts it among them; priority -10 runs after the queue's feeder thread has flushed, at -5).
+/// Best effort: if the hooks cannot be registered (an interpreter shutting down), the process
+/// exits without waiting, and the next call tries again.
+fn register_exit_wait(py: Python<'_>) {
+    let me = std::process::id();
+    if EXIT_WAIT_PID.swap(me, std::sync::atomic::Ordering::Relaxed) == me {
+        return;
+    }
+    if register_exit_hooks(py).is_err() {
+        EXIT_WAIT_PID.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn register_exit_hooks(py: Python<'_>) -> PyResult<()> {
+    let Some(f) = WAIT_FOR_PINS.get(py) else { return Ok(()) };
+    py.import("atexit")?.call_method1("register", (f,))?;
+    if py.import("sys")?.getattr("modules")?.contains("multiprocessing.util")? {
+        let kw = pyo3::types::PyDict::new(py);
+        kw.set_item("exitpriority", -10)?;
+        py.import("multiprocessing.util")?.getattr("Finalize")?.call((py.None(), f), Some(&kw))?;
+    }
+    Ok(())
 }
 
 /// A BufferError about a field of what is being unpickled.
@@ -487,17 +559,26 @@ fn meta(
 /// Unpickles a shared tensor's handle (private: pickles name it).
 #[pyfunction]
 fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-    super::enter(handle.py());
-    let (h, who, pid) = handle_header(handle, HANDLE_TAG, HANDLE_VERSION, 7)?;
+    let py = handle.py();
+    super::enter(py);
+    let (h, who, pid) = handle_header(handle, HANDLE_TAG, HANDLE_VERSION, 9)?;
     let fd: i32 = field(&who, 3, "handle.fd")?;
     let (dev, ino): (u64, u64) = (field(&who, 4, "handle.dev")?, field(&who, 5, "handle.inode")?);
     let token: Vec<u8> = field(&who, 6, "handle.token")?;
     let token: [u8; 16] = token
         .try_into()
         .map_err(|t: Vec<u8>| bad("handle.token", format!("{} bytes, expected 16", t.len())))?;
+    let slot: i32 = field(&who, 7, "handle.pin_slot")?;
+    let tag: u32 = field(&who, 8, "handle.pin_tag")?;
+    let pin = match slot {
+        -1 => None,
+        s if (0..crate::shm::PIN_SLOTS as i32).contains(&s) && tag != 0 => Some(Pin { slot: s as u8, tag }),
+        _ => return Err(bad("handle.pin_slot", format!("slot {slot} with tag {tag}"))),
+    };
     let (data_len, data_offset, byte_offset, m) = handle_place_and_layout(h, "handle.data_offset")?;
-    let handle = Handle { pid, fd, id: SegmentId { dev, ino, token }, data_len };
+    let handle = Handle { pid, fd, id: SegmentId { dev, ino, token }, data_len, pin };
     let seg = Segment::open(&handle).map_err(|e| bad(&format!("handle.{}", e.field), e.message))?;
+    register_exit_wait(py);
     let t = seg
         .tensor(m.dtype, &m.shape, Some(&m.strides), data_offset, byte_offset, m.flags)
         .map_err(|e| bad("handle.shape/strides/offsets", e))?;
