@@ -63,6 +63,8 @@ mod process_wide;
 pub mod python;
 #[cfg(all(feature = "shm", target_os = "linux"))]
 pub mod shm;
+#[cfg(all(feature = "shm", target_os = "linux"))]
+mod shm_registry;
 pub mod spec;
 mod view;
 pub mod xla;

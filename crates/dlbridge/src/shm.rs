@@ -35,11 +35,12 @@
 //! loaded keeps its memory until the sender exits (as torch's descriptor sharer does); a pickle
 //! loaded again after that gets it only while some holder still has it.
 //!
-//! Each process keeps one [`Segment`] per memfd it maps (a registry of live segments, looked up
-//! by identity when a handle is opened and by address when a tensor is asked whether its memory
-//! is shared); lookup, open, map and registration happen under one lock, so a segment has one
-//! mapping (one address, which the borrow registry keys leases by) however many threads open it
-//! at once. It closes its descriptor and unmaps when the last `Arc<Segment>` drops.
+//! Each process keeps one mapping per memfd (a registry of live segments shared by every copy of
+//! the crate in the process, looked up by identity when a handle is opened and by address when a
+//! tensor is asked whether its memory is shared); a new mapping is registered unless one appeared
+//! meanwhile (checked under the registry's lock), so a segment has one mapping (one address,
+//! which the borrow registry keys leases by) however many threads, and copies of the crate, open
+//! it at once. Its owner closes the descriptor and unmaps when the last `Arc<Segment>` drops.
 //!
 //! [`Segment::create`] refuses a size the machine could never back ([`backing_limit`]: memory
 //! plus swap, the process's memory cgroup, `RLIMIT_FSIZE`); pages are reserved only when touched.
@@ -62,21 +63,22 @@
 //! queued on the device (`cuCtxSynchronize` in the primary context), and a receiver's writes
 //! reach the sender once the receiver has synchronised and said so (the handle carries no event).
 
-use std::cell::UnsafeCell;
 use std::ffi::{CString, c_void};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use crate::dtype::DataType;
 use crate::error::Result as TensorResult;
 use crate::flags::Flags;
+use crate::fork::ForkSafeMutex;
 use crate::managed::ManagedTensor;
+use crate::shm_registry::{self, RawEntry, Retained};
 use crate::{Device, layout};
 
 /// Bytes before the data: the header, padded to dlpack.h's 256-byte alignment.
@@ -175,12 +177,24 @@ impl Drop for Mapping {
 
 /// One mapping of a segment in this process, with the descriptor that keeps it nameable.
 pub struct Segment {
-    // Field order: Drop removes the registry entry first, then the mapping is unmapped, then the
-    // descriptor closes.
-    map: Mapping,
-    file: File,
+    /// The mapping's first byte (the header's).
+    base: NonNull<u8>,
+    /// The descriptor that names it in this process (`/proc/<pid>/fd/<fd>`).
+    fd: libc::c_int,
     data_len: usize,
     id: SegmentId,
+    backing: Backing,
+}
+
+/// What keeps a [`Segment`]'s mapping.
+enum Backing {
+    /// This copy of the crate's own mapping and descriptor (field order: Drop removes the registry
+    /// entry first, then the mapping is unmapped, then the descriptor closes).
+    Own { _map: Mapping, _file: File },
+    /// Another copy's mapping of the same segment in this process (each Python extension module
+    /// embeds its own copy of the crate), held by a strong reference: a segment has one mapping
+    /// per process, whichever copy opens it.
+    Other(#[allow(dead_code, reason = "held for its Drop")] Retained),
 }
 
 // SAFETY: the mapping is plain shared memory, valid from any thread until `Drop` unmaps it; the
@@ -194,47 +208,85 @@ unsafe impl Sync for Segment {}
 //
 // One entry per segment this process maps, so that a segment has one mapping (one address) in the
 // process: the borrow registry keys leases by address, and two mappings of one segment would let a
-// `&mut` on one coexist with a `&` on the other. Opening a handle holds the lock across lookup,
-// open, map and insert (see `Segment::open`). Nothing is upgraded-and-dropped under the lock: the
-// last `Arc` dropping there would deadlock on it in `Drop`.
+// `&mut` on one coexist with a `&` on the other. The list is the process's, shared by every copy of
+// the crate (`shm_registry.rs`): a copy that opens a handle another copy has mapped uses that
+// mapping. Opening a handle looks it up, opens and maps it if absent, and registers the new mapping
+// unless one appeared meanwhile (the re-check and the insertion under the list's one lock), in
+// which case the new mapping is dropped before anyone saw it and the registered one is used.
 
-/// A registry entry: where the data starts, its length, the segment's identity, the segment.
-struct Live {
-    start: usize,
-    len: usize,
-    id: SegmentId,
-    seg: Weak<Segment>,
+/// This copy's `retain` of a registry entry: a strong reference from the weak one it registered.
+unsafe extern "C" fn retain_own(owner: *const c_void) -> *const c_void {
+    // SAFETY: `owner` is the `Weak::into_raw` this copy registered, not yet freed (the segment
+    // frees it in `Drop`, after removing the entry, and lookups run under the list's lock).
+    let weak = std::mem::ManuallyDrop::new(unsafe { Weak::from_raw(owner.cast::<Segment>()) });
+    weak.upgrade().map_or(std::ptr::null(), |a| Arc::into_raw(a).cast())
 }
 
-/// The segments this process maps.
-static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
-
-/// The registry, locked.
-fn registry() -> MutexGuard<'static, Vec<Live>> {
-    // A panic while holding the lock leaves the list consistent (every change is one push/remove).
-    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+/// This copy's `release`: gives back a strong reference [`retain_own`] made.
+unsafe extern "C" fn release_own(strong: *const c_void) {
+    // SAFETY: an `Arc::into_raw` of `retain_own`, given back once (never under the list's lock).
+    drop(unsafe { Arc::from_raw(strong.cast::<Segment>()) });
 }
 
-/// The live mapping of segment `id`, if this process has one.
-fn registry_find_id(reg: &[Live], id: &SegmentId) -> Option<Arc<Segment>> {
-    reg.iter().filter(|e| e.id == *id).find_map(|e| e.seg.upgrade())
+/// A registry entry made into this copy's `Arc<Segment>`: its own segment, or a wrapper that
+/// keeps another copy's.
+fn from_registry(r: Retained) -> Arc<Segment> {
+    if r.entry.copy == shm_registry::this_copy() {
+        let strong = r.strong.cast::<Segment>();
+        std::mem::forget(r);
+        // SAFETY: this copy's entry: `strong` is an `Arc::into_raw` of `retain_own`, whose
+        // ownership moves here (the `Retained` is forgotten, not released).
+        return unsafe { Arc::from_raw(strong) };
+    }
+    let e = r.entry;
+    Arc::new(Segment {
+        // SAFETY (of the address): the other copy's mapping starts HEADER_LEN bytes before its
+        // data, and stays mapped while the retained reference lives.
+        base: NonNull::new((e.data - HEADER_LEN) as *mut u8).expect("a mapping's address"),
+        fd: e.fd,
+        data_len: e.len,
+        id: SegmentId { dev: e.dev, ino: e.ino, token: e.token },
+        backing: Backing::Other(r),
+    })
 }
 
-/// The live segment whose data holds `[addr, addr + len)`, with the start of its data.
-fn registry_find_addr(reg: &[Live], addr: usize, end: usize) -> Option<(usize, Arc<Segment>)> {
-    reg.iter()
-        .filter(|e| addr >= e.start && end <= e.start + e.len)
-        .find_map(|e| e.seg.upgrade().map(|s| (e.start, s)))
+/// The live mapping of segment `id` in this process, whichever copy made it.
+fn registry_find_id(id: &SegmentId) -> Option<Arc<Segment>> {
+    shm_registry::find_id(id.dev, id.ino, id.token).map(from_registry)
 }
 
-/// Adds a new mapping.
-fn registry_insert(reg: &mut Vec<Live>, seg: &Arc<Segment>) {
-    reg.push(Live { start: seg.data() as usize, len: seg.data_len, id: seg.id, seg: Arc::downgrade(seg) });
-}
-
-/// Removes the mapping whose data starts at `start` (and any entry whose segment is gone).
-fn registry_remove(reg: &mut Vec<Live>, start: usize) {
-    reg.retain(|e| e.start != start && e.seg.strong_count() > 0);
+/// Registers this copy's new mapping; if the segment has one already (another thread or copy won
+/// the race), drops the new one and returns that.
+fn registry_insert_own(map: Mapping, file: File, data_len: usize, id: SegmentId) -> Arc<Segment> {
+    let seg = Arc::new(Segment {
+        base: map.base,
+        fd: file.as_raw_fd(),
+        data_len,
+        id,
+        backing: Backing::Own { _map: map, _file: file },
+    });
+    let entry = RawEntry {
+        data: seg.data() as usize,
+        len: data_len,
+        dev: id.dev,
+        ino: id.ino,
+        token: id.token,
+        fd: seg.fd,
+        copy: shm_registry::this_copy(),
+        // Freed by the segment's Drop (see there).
+        owner: Weak::into_raw(Arc::downgrade(&seg)).cast(),
+        retain: retain_own,
+        release: release_own,
+    };
+    // SAFETY: the entry describes this live mapping; `Drop` removes it before freeing the weak
+    // reference and unmapping; `retain_own`/`release_own` behave as documented.
+    match unsafe { shm_registry::insert_or_find(&entry) } {
+        None => seg,
+        Some(existing) => {
+            drop(seg);
+            from_registry(existing)
+        }
+    }
 }
 
 // ---- pins: the sender keeps a pickled segment until a receiver has it ---------------------------
@@ -263,74 +315,20 @@ struct Pins {
     sweeper: bool,
 }
 
-/// A lock that survives `fork`: its word holds the pid of the holder's process, so a child that
-/// finds it held by another pid (a thread of its parent at the time of the fork, which does not
-/// exist in the child) takes it over, and never blocks forever.
-struct ForkSafeLock<T> {
-    owner: AtomicU32,
-    data: UnsafeCell<T>,
-}
+/// A forked child finds it unlocked ([`crate::fork`]): the forking thread holds it across the fork.
+static PINS: ForkSafeMutex<Pins> = ForkSafeMutex::new(Pins { pid: 0, list: Vec::new(), sweeper: false });
 
-// SAFETY: `data` is reached only through a guard, which one thread holds at a time (the lock word
-// is taken by compare-and-swap; a child takes over only a word held by another process's pid,
-// whose holder does not exist in the child).
-unsafe impl<T: Send> Sync for ForkSafeLock<T> {}
-
-struct ForkSafeGuard<'a, T> {
-    lock: &'a ForkSafeLock<T>,
-}
-
-impl<T> ForkSafeLock<T> {
-    fn lock(&self) -> ForkSafeGuard<'_, T> {
-        let me = std::process::id();
-        loop {
-            let cur = self.owner.load(Ordering::Relaxed);
-            let free = cur == 0 || cur != me;
-            if free && self.owner.compare_exchange(cur, me, Ordering::Acquire, Ordering::Relaxed).is_ok() {
-                return ForkSafeGuard { lock: self };
-            }
-            std::thread::yield_now();
-        }
-    }
-}
-
-impl<T> std::ops::Deref for ForkSafeGuard<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // SAFETY: the guard holds the lock (see ForkSafeLock's Sync).
-        unsafe { &*self.lock.data.get() }
-    }
-}
-
-impl<T> std::ops::DerefMut for ForkSafeGuard<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        // SAFETY: the guard holds the lock (see ForkSafeLock's Sync).
-        unsafe { &mut *self.lock.data.get() }
-    }
-}
-
-impl<T> Drop for ForkSafeGuard<'_, T> {
-    fn drop(&mut self) {
-        self.lock.owner.store(0, Ordering::Release);
-    }
-}
-
-static PINS: ForkSafeLock<Pins> = ForkSafeLock {
-    owner: AtomicU32::new(0),
-    data: UnsafeCell::new(Pins { pid: 0, list: Vec::new(), sweeper: false }),
-};
-
-/// This process's pins, locked. In a forked child the parent's list is forgotten unread (it may
-/// have been mid-change at the fork; its `Arc`s leak, so the child keeps those mappings until it
-/// exits, as fork gave them to it anyway); the parent's pins stay the parent's.
-fn pins() -> ForkSafeGuard<'static, Pins> {
+/// This process's pins, locked. In a forked child the parent's list is forgotten (its `Arc`s leak,
+/// so the child keeps those mappings until it exits, as fork gave them to it anyway); the parent's
+/// pins stay the parent's.
+fn pins() -> MutexGuard<'static, Pins> {
     let mut g = PINS.lock();
     let me = std::process::id();
     if g.pid != me {
-        let fresh = Pins { pid: me, list: Vec::new(), sweeper: false };
-        // SAFETY: the guard gives exclusive access; the old value is overwritten without being
-        // read or dropped (it may be torn), which only leaks it.
-        unsafe { std::ptr::write(&mut *g as *mut Pins, fresh) };
+        // The parent's Arcs are forgotten (leaked), not dropped: the child keeps those mappings
+        // until it exits, as fork gave them to it anyway, and never releases the parent's pins.
+        let parents = std::mem::replace(&mut *g, Pins { pid: me, list: Vec::new(), sweeper: false });
+        std::mem::forget(parents);
     }
     g
 }
@@ -785,18 +783,17 @@ impl Segment {
             std::ptr::copy_nonoverlapping((data_len as u64).to_le_bytes().as_ptr(), h.add(24), 8);
         }
         let id = SegmentId { dev: meta.dev(), ino: meta.ino(), token };
-        let seg = Arc::new(Segment { map, file, data_len, id });
-        registry_insert(&mut registry(), &seg);
-        Ok(seg)
+        Ok(registry_insert_own(map, file, data_len, id))
     }
 
     /// Maps the segment a handle names (the same `Arc` if this process maps it already), after
     /// checking that it is one of dlbridge's and that it is the one the handle describes, then
     /// claims the handle's pin (see [`Segment::pin`]).
     ///
-    /// Lookup, open, map and registration happen under one lock, so however many threads open
-    /// the same handle at once, this process maps the segment once (one address: the borrow
-    /// registry's leases, keyed by address, then cover every view of it).
+    /// However many threads, and copies of the crate, open the same handle at once, the process
+    /// keeps one mapping of the segment (one address: the borrow registry's leases, keyed by
+    /// address, then cover every view of it): a mapping made while another was registered is
+    /// dropped before it is used.
     pub fn open(h: &Handle) -> Result<Arc<Segment>, ShmError> {
         let seg = Self::open_once(h)?;
         if let Some(pin) = h.pin {
@@ -809,22 +806,18 @@ impl Segment {
 
     fn open_once(h: &Handle) -> Result<Arc<Segment>, ShmError> {
         let map_len = map_len_for(h.data_len, "size")?;
-        let mut reg = registry();
-        if let Some(seg) = registry_find_id(&reg, &h.id) {
-            drop(reg);
-            return if seg.data_len as u64 == h.data_len {
-                Ok(seg)
-            } else {
-                Err(err("size", format!("{} bytes, but the segment holds {}", h.data_len, seg.data_len)))
-            };
+        let seg = match registry_find_id(&h.id) {
+            Some(seg) => seg,
+            None => {
+                let (file, map) = open_and_map(h, map_len)?;
+                registry_insert_own(map, file, map_len - HEADER_LEN, h.id)
+            }
+        };
+        if seg.data_len as u64 == h.data_len {
+            Ok(seg)
+        } else {
+            Err(err("size", format!("{} bytes, but the segment holds {}", h.data_len, seg.data_len)))
         }
-        // Under the lock: no other thread can map this segment meanwhile. Nothing here takes the
-        // lock again (an error drops only a Mapping and Files, never a Segment).
-        let (file, map) = open_and_map(h, map_len)?;
-        let seg = Arc::new(Segment { map, file, data_len: map_len - HEADER_LEN, id: h.id });
-        registry_insert(&mut reg, &seg);
-        drop(reg);
-        Ok(seg)
     }
 
     /// The header's pin word `slot`.
@@ -834,7 +827,7 @@ impl Segment {
         // mapped while `self` lives; the mapping is page-aligned, so the word is 8-aligned;
         // AtomicU64 has u64's layout, and this process touches these words only atomically
         // (other processes' writes reach it as the hardware's, like any shared memory).
-        unsafe { &*self.map.base.as_ptr().add(PIN_BASE + 8 * slot).cast::<AtomicU64>() }
+        unsafe { &*self.base.as_ptr().add(PIN_BASE + 8 * slot).cast::<AtomicU64>() }
     }
 
     /// Pins this segment for one receiver: this process keeps it mapped until a process opens a
@@ -909,12 +902,9 @@ impl Segment {
     /// The segment that holds the `len` bytes from `addr` in this process, with the offset of
     /// `addr` from its data.
     pub fn containing(addr: usize, len: usize) -> Option<(Arc<Segment>, usize)> {
-        let end = addr.checked_add(len)?;
-        let reg = registry();
-        let found = registry_find_addr(&reg, addr, end);
-        // The upgraded Arc may be the last one only after the lock is released (its Drop locks).
-        drop(reg);
-        found.map(|(start, seg)| (seg, addr - start))
+        let found = shm_registry::find_addr(addr, len)?;
+        let start = found.entry.data;
+        Some((from_registry(found), addr - start))
     }
 
     /// The handle by which another process on this machine maps this segment (valid while this
@@ -922,7 +912,7 @@ impl Segment {
     pub fn handle(&self) -> Handle {
         Handle {
             pid: std::process::id(),
-            fd: self.file.as_raw_fd(),
+            fd: self.fd,
             id: self.id,
             data_len: self.data_len as u64,
             pin: None,
@@ -932,7 +922,7 @@ impl Segment {
     /// The first data byte (256-byte aligned).
     pub fn data(&self) -> *mut u8 {
         // SAFETY: the mapping is at least HEADER_LEN bytes.
-        unsafe { self.map.base.as_ptr().add(HEADER_LEN) }
+        unsafe { self.base.as_ptr().add(HEADER_LEN) }
     }
 
     /// Bytes of data.
@@ -1027,9 +1017,18 @@ pub fn fits_in(
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // Out of the registry before the address range can be reused (the mapping is unmapped,
-        // and the descriptor closed, when the fields drop after this).
-        registry_remove(&mut registry(), self.data() as usize);
+        if let Backing::Own { .. } = self.backing {
+            // Out of the registry before the address range can be reused (the mapping is unmapped,
+            // and the descriptor closed, when the fields drop after this); a mapping that lost the
+            // race to register has no entry, and removing it is a no-op.
+            shm_registry::remove(self.data() as usize);
+            // SAFETY: the `Weak::into_raw` made at registration (`Arc::as_ptr` of this segment,
+            // which `self` is), freed once; no lookup can reach it any more (the entry is gone, and
+            // lookups retain under the list's lock). The Arc's own weak reference keeps the
+            // allocation until this Drop returns.
+            drop(unsafe { Weak::from_raw(std::ptr::from_ref::<Segment>(self)) });
+        }
+        // An `Other` segment gives its strong reference back (Retained's Drop).
     }
 }
 
@@ -1137,10 +1136,10 @@ mod tests {
             let s = Segment::create(64).unwrap();
             // A second descriptor of the memfd names it while the creator's mapping is gone.
             // SAFETY: dup of our own open descriptor.
-            let keep = unsafe { OwnedFd::from_raw_fd(libc::dup(s.file.as_raw_fd())) };
+            let keep = unsafe { OwnedFd::from_raw_fd(libc::dup(s.fd)) };
             let h = Handle { fd: keep.as_raw_fd(), ..s.handle() };
             drop(s);
-            assert!(registry_find_id(&registry(), &h.id).is_none());
+            assert!(registry_find_id(&h.id).is_none());
             let barrier = Barrier::new(THREADS);
             let got: Vec<Arc<Segment>> = std::thread::scope(|sc| {
                 let hs: Vec<_> = (0..THREADS)
@@ -1156,8 +1155,7 @@ mod tests {
             for g in &got {
                 assert!(Arc::ptr_eq(g, &got[0]), "one segment mapped twice in one process");
             }
-            let reg = registry();
-            assert_eq!(reg.iter().filter(|e| e.id == h.id && e.seg.strong_count() > 0).count(), 1);
+            assert_eq!(shm_registry::entries(h.id.dev, h.id.ino, h.id.token), 1);
         }
     }
 
@@ -1208,12 +1206,8 @@ mod tests {
         assert!(unsafe { libc::inotify_add_watch(ino.as_raw_fd(), cpath.as_ptr(), libc::IN_OPEN) } >= 0);
         // The number that alternates (`slot`), and the memfd kept open by a second descriptor.
         // SAFETY: dups of our own descriptor.
-        let (mem, slot) = unsafe {
-            (
-                OwnedFd::from_raw_fd(libc::dup(s.file.as_raw_fd())),
-                OwnedFd::from_raw_fd(libc::dup(s.file.as_raw_fd())),
-            )
-        };
+        let (mem, slot) =
+            unsafe { (OwnedFd::from_raw_fd(libc::dup(s.fd)), OwnedFd::from_raw_fd(libc::dup(s.fd))) };
         let h = Handle { fd: slot.as_raw_fd(), ..s.handle() };
         drop(s); // not in the registry: every open goes through /proc
         let stop = AtomicBool::new(false);
@@ -1265,15 +1259,18 @@ mod tests {
         assert_eq!(opens, 0, "the FIFO was opened {opens} times");
     }
 
-    /// A child forked while another thread of its parent holds the pin list's lock takes the
-    /// lock over (its holder does not exist in the child) instead of waiting forever.
+    /// A child forked while another thread of its parent holds the pin list's lock finds it free
+    /// (the fork waits for it: `crate::fork`) instead of waiting forever for a thread it lacks.
     #[test]
     fn the_pin_list_survives_a_fork_while_locked() {
         let s = Segment::create(64).unwrap();
         let (locked, unlock) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
         let holder = std::thread::spawn(move || {
-            let _g = pins();
+            let g = pins();
             locked.0.send(()).unwrap();
+            // Held while the parent calls fork (which waits for it in the fork handler).
+            std::thread::sleep(Duration::from_millis(200));
+            drop(g);
             unlock.1.recv().unwrap();
         });
         locked.1.recv().unwrap();

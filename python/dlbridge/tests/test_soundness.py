@@ -147,6 +147,45 @@ def test_no_write_lands_under_another_copys_slice_whatever_user_code_does_to_sys
     assert out.stdout.strip() == "refused [0.0, 0.0, 0.0, 0.0]", out.stdout + out.stderr[-2000:]
 
 
+TWO_COPIES = """
+import importlib.machinery, importlib.util, shutil, sys, tempfile, os
+import dlbridge
+
+# A second copy of the crate in this process: dlbridge's own extension loaded again from another
+# path (its own statics, as any extension embedding the crate has).
+d = tempfile.mkdtemp()
+path = os.path.join(d, "_dlbridge.so")
+shutil.copy(dlbridge._dlbridge.__file__, path)
+loader = importlib.machinery.ExtensionFileLoader("_dlbridge", path)
+spec = importlib.util.spec_from_file_location("_dlbridge", path, loader=loader)
+copy = importlib.util.module_from_spec(spec)
+loader.exec_module(copy)
+assert copy is not dlbridge._dlbridge
+
+t = dlbridge.shared_empty((4,), "float64")
+rebuild, args = t.__reduce_ex__(5)
+assert rebuild is dlbridge._dlbridge._rebuild_shared, rebuild
+t2 = copy._rebuild_shared(*args)  # the other copy maps the handle
+print("same", t2.data_ptr == t.data_ptr)
+print(dlbridge._dlbridge._view_twice(t, t2, 1.0))
+print(copy._view_twice(t2, t, 1.0))
+"""
+
+
+@hooks
+def test_two_copies_of_the_crate_map_one_segment_once() -> None:
+    # Each copy of the crate kept its own list of live segments, so a second copy rebuilding a
+    # handle of the first mapped the memfd again, at another address: the borrow registry, keyed
+    # by address, then let a mutable slice of one mapping coexist with a shared one of the other.
+    if not hasattr(dlbridge, "shared_empty"):
+        pytest.skip("shared tensors need Linux")
+    out = subprocess.run([sys.executable, "-c", TWO_COPIES], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "same True", out.stdout
+    assert "already borrowed" in lines[1] and "already borrowed" in lines[2], out.stdout
+
+
 def test_read_only_survives_a_second_extension() -> None:
     # Extension B (dlbridge_scale) views extension A's (dlbridge._dlbridge) read-only Tensor
     # through A's exchange table, whose borrowed function cannot carry READ_ONLY: B used to write
