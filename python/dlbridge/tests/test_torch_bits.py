@@ -499,3 +499,65 @@ print(seen)
 """
     )
     assert out.strip() in ("[]", "['BufferError', 'BufferError', 'BufferError']"), out
+
+
+_STAND_IN = """
+import sys, types, torch as real, dlbridge._dlbridge as D
+# A pure-Python stand-in for sys.modules["torch"] whose Tensor has a slot where THPVariable keeps
+# cdata, and whose probes agree with ATen's reads of the objects in that slot: the bytes objects
+# are read as TensorImpls (all keys set, none set, or a version counter at an address the stand-in
+# chose). Taken for torch's own, the search's bump writes through that address (SIGSEGV).
+FF, ZERO = bytes([0xFF]) * 4096, bytes(4096)
+WILD = (0x4141414141414140).to_bytes(8, "little") * 512
+class FakeT:
+    __slots__ = ("impl",)
+    def __init__(self, impl): self.impl = impl
+    @property
+    def _cdata(self): return id(self.impl)
+    def is_neg(self): return self.impl is FF
+    def is_conj(self): return self.impl is FF
+    def conj(self): return FakeT(FF)
+    @property
+    def imag(self): return FakeT(FF)
+    def detach(self): return FakeT(self.impl)
+    def __getitem__(self, k): return FakeT(self.impl)
+    @property
+    def _version(self):
+        if self.impl is ZERO: raise RuntimeError("no counter")
+        return 0
+    @property
+    def data(self): return self
+    @data.setter
+    def data(self, v): self.impl = ZERO
+inference = [False]
+class Inference:
+    def __init__(self, on=True): self.on = on
+    def __enter__(self): self.was, inference[0] = inference[0], self.on
+    def __exit__(self, *a): inference[0] = self.was
+fake = types.ModuleType("torch")
+fake.__dict__.update(real.__dict__)
+fake.Tensor, fake.inference_mode = FakeT, Inference
+fake.arange = fake.ones = fake.complex = fake.zeros = (
+    lambda *a, **k: FakeT(WILD if a == (4,) and not inference[0] else ZERO))
+fake._neg_view = lambda t: FakeT(FF)
+sys.modules["torch"] = fake
+x = real.zeros(3, dtype=real.float64)
+D._typed_mut_fill(x, 2.0)  # the first torch write: the one-time search runs now
+assert x.tolist() == [2.0, 2.0, 2.0]
+try:
+    D._typed_mut_fill(FakeT(WILD), 1.0)
+    raise SystemExit("the stand-in's object was accepted")
+except TypeError:
+    pass
+print("ok", D._torch_bits_from_aten())
+"""
+
+
+@hooks
+def test_a_stand_in_for_the_torch_module_is_never_taken_for_torch() -> None:
+    # The type whose instances are read as THPVariables is torch's own (libtorch_python's
+    # THPVariableClass, based on a type inside libtorch_python), never sys.modules["torch"].Tensor:
+    # the stand-in's probes are not torch tensors, so the fast path stays off, and nothing is
+    # written through the stand-in's pointer (SIGSEGV before).
+    need("torch")
+    assert _child(_STAND_IN).split() == ["ok", "False"]

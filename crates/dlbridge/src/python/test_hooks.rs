@@ -29,6 +29,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_of_view, m)?)?;
+    m.add_function(wrap_pyfunction!(_typed_mut_fill, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_bits_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_writes_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_xla_copy_cuda, m)?)?;
@@ -279,6 +280,17 @@ fn _typed_mut_probe(_x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::s
 #[pyfunction]
 fn _typed_mut_of_view(x: TensorView<'_>) -> PyResult<()> {
     x.typed_mut::<f64, crate::spec::Rank<1>, crate::spec::C, crate::spec::Cpu>()?;
+    Ok(())
+}
+
+/// Converts `x` as a `TensorMut<f64, Rank<1>, C>` and writes `value` into every element: a kernel
+/// writing its argument.
+#[pyfunction]
+fn _typed_mut_fill(
+    mut x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::spec::C>,
+    value: f64,
+) -> PyResult<()> {
+    x.as_slice_mut()?.iter_mut().for_each(|v| *v = value);
     Ok(())
 }
 

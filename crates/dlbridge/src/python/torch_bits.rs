@@ -13,13 +13,18 @@
 //!
 //! What this relies on, checked once per process before it is used (else the methods are called,
 //! as before):
+//! - the type is torch's own `torch.Tensor`: the class `libtorch_python` holds in its global
+//!   `THPVariableClass` (what `THPVariable_Check` tests against), whose first static base lies in
+//!   `libtorch_python` itself (`dladdr`); never the `Tensor` attribute of `sys.modules["torch"]`,
+//!   which any Python code can replace (a stand-in with a slot where `cdata` sits passed the
+//!   probes, and ATen's bump then wrote through a pointer the stand-in chose);
 //! - an instance of exactly `torch.Tensor` is a `THPVariable`, whose `at::Tensor cdata` (one
 //!   `TensorImpl` pointer) follows the object header: the layout of torch's public header
 //!   `torch/csrc/autograd/python_variable.h`, which every C++ extension inlines
 //!   (`THPVariable_Unpack`). Checked: the type's `tp_basicsize` covers it, and for each probe tensor
 //!   the pointer there is the one `Tensor._cdata` reports;
-//! - the two symbols exist in the `libtorch_cpu` torch has loaded (found with `RTLD_NOLOAD`: never
-//!   loaded by dlbridge), and agree with `is_neg()`/`is_conj()` on probes with and without each bit
+//! - the two symbols exist in the `libtorch_cpu` torch has loaded (found by its soname with
+//!   `RTLD_NOLOAD`: never loaded by dlbridge), and agree with `is_neg()`/`is_conj()` on probes with and without each bit
 //!   (a negated view, `conj()`, `conj().imag`, a detached negated view, 0-d, empty, bfloat16, one
 //!   that requires grad).
 //!
@@ -48,7 +53,7 @@
 //! `torch.is_grad_enabled()` both ways; inference mode agrees now, inside `torch.inference_mode()`
 //! and inside `torch.inference_mode(False)`.
 
-use std::ffi::{CString, c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::ffi;
@@ -71,7 +76,8 @@ type FlagFn = unsafe extern "C-unwind" fn() -> bool;
 pub(crate) struct AtenBits {
     is_neg: BitFn,
     is_conj: BitFn,
-    /// The address of `torch.Tensor` (kept alive by the torch module, never unloaded).
+    /// The address of torch's own `torch.Tensor` (`libtorch_python`'s `THPVariableClass`, which
+    /// torch never releases).
     ty: usize,
     /// The address of `c10::UndefinedTensorImpl::_singleton`: the `TensorImpl` of an undefined
     /// tensor, which a `THPVariable` holds once the cyclic GC has cleared it (`THPVariable_clear`;
@@ -268,15 +274,13 @@ impl AtenBits {
 /// Finds the kernels and checks them on probe tensors; `Ok(None)` when anything does not
 /// hold (no torch, another layout, a symbol missing, a disagreement).
 fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
-    // Only where torch is already imported: dlbridge never imports it for this.
+    // Only where torch is already imported: dlbridge never imports it for this. The module is
+    // used for the probes only: the type whose instances are read is torch's own (`tensor_type`),
+    // never an attribute Python code can replace (a stand-in module's `Tensor` with a slot where
+    // `cdata` sits passed the checks, and ATen's bump wrote through a pointer it chose).
     let Some(torch) = py.import("sys")?.getattr("modules")?.get_item("torch").ok() else { return Ok(None) };
-    let tensor_type = torch.getattr("Tensor")?.cast_into::<pyo3::types::PyType>()?;
-    // SAFETY: reads a field of a live type object.
-    let basicsize = unsafe { (*tensor_type.as_type_ptr()).tp_basicsize };
-    if usize::try_from(basicsize).map_or(true, |b| b < CDATA_OFFSET + std::mem::size_of::<usize>()) {
-        return Ok(None);
-    }
-    let Some(lib) = torch_cpu(&torch)? else { return Ok(None) };
+    let Some(tensor_type) = torch_tensor_type(py) else { return Ok(None) };
+    let Some(lib) = loaded(c"libtorch_cpu.so") else { return Ok(None) };
     let sym = |name: &std::ffi::CStr| {
         // SAFETY: a handle from dlopen and a NUL-terminated name.
         let p = unsafe { dlsym(lib, name.as_ptr()) };
@@ -479,15 +483,78 @@ fn find_versions(
     Ok(agrees.then_some(v))
 }
 
-/// The `libtorch_cpu` torch has loaded (never loads it: `RTLD_NOLOAD`).
-fn torch_cpu(torch: &Bound<'_, PyAny>) -> PyResult<Option<*mut c_void>> {
-    let file: String = torch.getattr("__file__")?.extract()?;
-    let Some(dir) = std::path::Path::new(&file).parent() else { return Ok(None) };
-    let path = dir.join("lib").join("libtorch_cpu.so");
-    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return Ok(None) };
+/// The library of this soname if it is loaded (never loads it: `RTLD_NOLOAD`). The soname, not a
+/// path taken from `torch.__file__`, which Python code can set.
+fn loaded(soname: &std::ffi::CStr) -> Option<*mut c_void> {
     const RTLD_LAZY: c_int = 1;
     const RTLD_NOLOAD: c_int = 4;
-    // SAFETY: a NUL-terminated path; RTLD_NOLOAD returns an already loaded library or NULL.
-    let lib = unsafe { dlopen(c.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
-    Ok((!lib.is_null()).then_some(lib))
+    // SAFETY: a NUL-terminated name; RTLD_NOLOAD returns an already loaded library or NULL.
+    let lib = unsafe { dlopen(soname.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
+    (!lib.is_null()).then_some(lib)
+}
+
+/// `Dl_info` of `dladdr`.
+#[repr(C)]
+struct DlInfo {
+    fname: *const c_char,
+    fbase: *mut c_void,
+    sname: *const c_char,
+    saddr: *mut c_void,
+}
+
+unsafe extern "C" {
+    fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
+}
+
+/// The base address of the loaded object that contains `addr` (`None`: none does, e.g. the heap).
+fn object_of(addr: *const c_void) -> Option<usize> {
+    let mut info = DlInfo {
+        fname: std::ptr::null(),
+        fbase: std::ptr::null_mut(),
+        sname: std::ptr::null(),
+        saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: `dladdr` only compares `addr` with the loaded objects' ranges and fills `info`.
+    (unsafe { dladdr(addr, &mut info) } != 0 && !info.fbase.is_null()).then_some(info.fbase as usize)
+}
+
+/// torch's own `torch.Tensor`, proven from torch's library rather than taken from a Python
+/// attribute: the type `libtorch_python` holds in its global `THPVariableClass` (set when torch
+/// was imported, the class `THPVariable_Check` tests against), whose first static base is a type
+/// object inside `libtorch_python` itself (`torch._C.TensorBase`, the `THPVariable` layout: a
+/// Python-made type is on the heap, so it is no such base) and covers `cdata`. `None` when any
+/// of this does not hold.
+fn torch_tensor_type(py: Python<'_>) -> Option<Bound<'_, pyo3::types::PyType>> {
+    let lib = loaded(c"libtorch_python.so")?;
+    // SAFETY: a handle from dlopen and a NUL-terminated name.
+    let slot = unsafe { dlsym(lib, c"THPVariableClass".as_ptr()) }.cast::<*mut ffi::PyObject>();
+    if slot.is_null() {
+        return None;
+    }
+    let home = object_of(slot.cast())?;
+    // SAFETY: the exported global `PyObject* THPVariableClass`, written by torch at import with
+    // the GIL held; read with the GIL held.
+    let class = unsafe { *slot };
+    // SAFETY: a non-NULL pointer torch keeps a reference to (it never releases the class).
+    if class.is_null() || unsafe { ffi::PyType_Check(class) } == 0 {
+        return None;
+    }
+    // SAFETY: a live type object (checked), borrowed.
+    let ty = unsafe { Bound::from_borrowed_ptr(py, class) }.cast_into::<pyo3::types::PyType>().ok()?;
+    let covers = |t: *mut ffi::PyTypeObject| {
+        // SAFETY: a live type object's field.
+        usize::try_from(unsafe { (*t).tp_basicsize })
+            .is_ok_and(|b| b >= CDATA_OFFSET + std::mem::size_of::<usize>())
+    };
+    let mut base = ty.as_type_ptr();
+    // SAFETY: a live type's flags (each type keeps its base alive); the chain ends at `object`,
+    // a static type.
+    while unsafe { ffi::PyType_HasFeature(base, ffi::Py_TPFLAGS_HEAPTYPE) } != 0 {
+        // SAFETY: a live type's field.
+        base = unsafe { (*base).tp_base };
+        if base.is_null() {
+            return None;
+        }
+    }
+    (covers(ty.as_type_ptr()) && covers(base) && object_of(base.cast()) == Some(home)).then_some(ty)
 }
