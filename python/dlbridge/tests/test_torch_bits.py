@@ -561,3 +561,46 @@ def test_a_stand_in_for_the_torch_module_is_never_taken_for_torch() -> None:
     # written through the stand-in's pointer (SIGSEGV before).
     need("torch")
     assert _child(_STAND_IN).split() == ["ok", "False"]
+
+
+# 64 MiB of float64: above glibc's largest mmap threshold, so freeing it unmaps it and a write
+# there faults at once (a smaller block may stay mapped and hide the use after free).
+_BIG = 1 << 23
+
+
+@hooks
+@pytest.mark.parametrize("kernel", ["TensorMut", "view"])
+def test_torchs_python_version_bump_cannot_free_what_a_kernel_writes(kernel: str) -> None:
+    # Where ATen's bump is not used (a subclass here; a torch whose functions were not verified
+    # alike), torch._C._increment_version is called: Python, which may replace the storage (here
+    # set_ frees it). The bump now runs before the view the kernel writes through is taken (a
+    # TensorMut argument), or before the view is checked against the tensor (a view's mutable
+    # access): the kernel wrote freed memory before (SIGSEGV).
+    need("torch")
+    out = _child(
+        f"""
+import torch, dlbridge._dlbridge as D
+class Sub(torch.Tensor):
+    pass
+x = torch.zeros({_BIG}, dtype=torch.float64)
+x.__class__ = Sub  # (as_subclass would leave a second owner of the storage behind)
+bump = torch._C._increment_version
+def swapping_bump(ts):
+    for t in ts:
+        if t.numel():
+            t.set_(torch.zeros(0, dtype=torch.float64))  # x's storage is freed here
+    return bump(ts)
+torch._C._increment_version = swapping_bump
+if {kernel!r} == "TensorMut":
+    D._typed_mut_fill(x, 7.0)  # the view is taken after the bump: x is empty now
+    print("ok", x.numel())
+else:
+    try:
+        D._view_add(x, 7.0)
+        raise SystemExit("accepted")
+    except TypeError as e:
+        assert "data: the tensor's memory was replaced" in str(e), e
+    print("ok", x.numel())
+"""
+    )
+    assert out.split() == ["ok", "0"]

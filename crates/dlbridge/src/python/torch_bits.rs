@@ -147,6 +147,13 @@ pub(crate) fn aten_bits(py: Python<'_>) -> Option<&'static AtenBits> {
     search(py)
 }
 
+/// The verified kernels if the one-time search has already decided (never starts it: it runs
+/// Python, which must not run between taking a view and using it).
+#[inline]
+pub(crate) fn aten_bits_found(py: Python<'_>) -> Option<&'static AtenBits> {
+    BITS.get(py)?.as_ref()
+}
+
 #[cold]
 #[inline(never)]
 fn search(py: Python<'_>) -> Option<&'static AtenBits> {

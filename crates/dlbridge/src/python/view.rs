@@ -89,16 +89,23 @@ impl TensorView<'_> {
     /// - torch's own rules on in-place writes (`TorchState::refuse_write`: no write into a leaf
     ///   that requires grad while grad mode is on, nor into an inference tensor outside inference
     ///   mode);
-    /// - the view still describing the tensor's memory: those rules are read through getters that
-    ///   a torch function mode or a subclass may route to Python, which may replace the storage
-    ///   (`x.set_()`, `x.data = ...`); the table's description is read again (no Python) and must
-    ///   be the view's, else the access is refused rather than write freed memory;
     /// - the version counter bumped, as torch's in-place operations do (so a backward through a
-    ///   value saved before the write fails instead of computing a wrong gradient).
+    ///   value saved before the write fails instead of computing a wrong gradient);
+    /// - the view still describing the tensor's memory: those rules are read through getters that
+    ///   a torch function mode or a subclass may route to Python, and the bump may be torch's
+    ///   Python function; that Python may replace the storage (`x.set_()`, `x.data = ...`). The
+    ///   table's description is read again after them (no Python) and must be the view's, else the
+    ///   access is refused rather than write freed memory.
     fn prepare_producer_write(&self) -> crate::Result<()> {
         let Some((state, py)) = self.torch_attached()? else { return Ok(()) };
         let obj = self.object(py);
         state.refuse_write(&obj)?;
+        // The bump before the check below: where torch's Python function bumps (not exactly
+        // `torch.Tensor`, or ATen not verified), that Python may replace the storage too.
+        super::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
+            field: "_version",
+            reason: format!("could not be bumped: {e}"),
+        })?;
         let moved = |reason: &str| crate::Error::WriteRefused { field: "data", reason: reason.into() };
         let api = super::cache::type_info(&obj.get_type())
             .ok()
@@ -125,14 +132,12 @@ impl TensorView<'_> {
         };
         if !same {
             return Err(moved(
-                "the tensor's memory was replaced while torch's write rules were read (by Python code \
-                 they ran: a torch function mode or a subclass); the view no longer describes it",
+                "the tensor's memory was replaced while torch's write rules were read or its version \
+                 bumped (by Python code they ran: a torch function mode, a subclass, torch's Python \
+                 functions); the view no longer describes it",
             ));
         }
-        super::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
-            field: "_version",
-            reason: format!("could not be bumped: {e}"),
-        })
+        Ok(())
     }
 
     /// The torch state of a torch tensor's view, with the GIL this thread must hold to use it.
