@@ -6,6 +6,8 @@ answered, and that the cheap source is the one in use where torch allows it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import dlbridge
@@ -604,3 +606,103 @@ else:
 """
     )
     assert out.split() == ["ok", "0"]
+
+
+@hooks
+@pytest.mark.parametrize(
+    "frees", ["set_", "resize_", "share_memory_", "untyped_storage().resize_(0)", "swap_tensors", "del"]
+)
+def test_python_a_kernel_runs_cannot_free_the_memory_under_its_slice(frees: str) -> None:
+    # A kernel holding a slice of a borrowed torch view calls back into Python, which frees the
+    # tensor's memory: set_ and swap_tensors give the tensor other memory and drop its storage;
+    # resize_, share_memory_ and storage.resize_ give the same storage other memory. Holding the
+    # tensor (or torch's own DLPack export) or its StorageImpl keeps none of it alive. The view keeps
+    # the storage's DataPtr (the owner of the memory) valid until it is dropped, then the memory
+    # is freed as torch would have (the kernel wrote freed memory before: SIGSEGV).
+    need("torch")
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads /proc/self/maps")
+    out = _child(
+        f"""
+import torch, dlbridge._dlbridge as D
+def mapped(p):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return True
+    return False
+N = {_BIG}
+x = torch.ones(N, dtype=torch.float64)
+p = x.data_ptr()
+seen = []
+def callback():
+    global x
+    kind = {frees!r}
+    if kind == "set_":
+        x.set_(torch.zeros(0, dtype=torch.float64))
+    elif kind == "resize_":
+        x.resize_(4 * N)
+    elif kind == "share_memory_":
+        x.share_memory_()
+    elif kind == "untyped_storage().resize_(0)":
+        x.untyped_storage().resize_(0)
+    elif kind == "swap_tensors":
+        y = torch.zeros(1, dtype=torch.float64)
+        torch.utils.swap_tensors(x, y)
+        del y
+    seen.append(x.data_ptr() != p)
+    if kind == "del":
+        x = None  # the caller's reference is the argument's: the view borrows it
+    seen.append(mapped(p))
+total = D._slice_across_call(x, callback, 5.0)
+print(seen, total == 5.0 * N, mapped(p))
+"""
+    )
+    moved = frees != "del"
+    assert out.strip() == f"[{moved}, True] True False", out
+
+
+@hooks
+def test_a_view_gives_the_storage_its_own_memory_owner_back() -> None:
+    # While a view lives, the storage's DataPtr holds dlbridge's keeper; the last view of it gives
+    # the storage its own deleter back (torch tells shared memory by it), however many views of
+    # the storage lived at once.
+    torch = need("torch")
+    s = torch.zeros(8, dtype=torch.float64).share_memory_()
+    assert s.is_shared()
+    assert dlbridge._dlbridge._view_twice(s[:4], s[4:], 1.0) == "written"
+    assert s.is_shared() and s.tolist() == [0.0] * 4 + [1.0] * 4
+    seen = []
+    assert dlbridge._dlbridge._slice_across_call(s, lambda: seen.append(s.is_shared()), 2.0) == 16.0
+    assert seen == [False] and s.is_shared()  # the keeper inside the call only
+    x = torch.ones(4, dtype=torch.float64)
+    dlbridge._dlbridge._view(x)
+    x.add_(1.0)  # torch frees and reallocates as before
+    assert x.tolist() == [2.0] * 4
+    assert dlbridge._dlbridge._torch_views_keep_memory() is True
+
+
+@hooks
+def test_another_thread_cannot_free_the_memory_under_a_kernel_running_without_the_gil() -> None:
+    # The kernel releases the GIL while it holds its slice; another Python thread replaces the
+    # tensor's storage meanwhile. The view's keeper keeps the memory valid until the kernel is done
+    # (torch's own operations have no such keeper: an owned import does not either).
+    need("torch")
+    out = _child(
+        f"""
+import threading, time, torch, dlbridge._dlbridge as D
+N = {_BIG}
+x = torch.ones(N, dtype=torch.float64)
+def replace():
+    time.sleep(0.1)
+    x.set_(torch.zeros(0, dtype=torch.float64))
+    x.resize_(0)
+th = threading.Thread(target=replace)
+th.start()
+total = D._slice_across_detach(x, 0.5, 3.0)
+th.join()
+print(total == 3.0 * N, x.numel())
+"""
+    )
+    assert out.split() == ["True", "0"]

@@ -34,11 +34,17 @@
 //! The arguments themselves are not `Send`: they may hold a Python buffer view, whose release needs
 //! the GIL, and their storage block belongs to the thread's pool.
 //!
-//! What the guards cannot stop: the caller's own library changing the memory. While the GIL is
-//! released, other Python threads run; a torch `x.set_(...)` or `x.resize_(...)` there frees the
-//! storage under every DLPack consumer of `x` (`numpy.from_dlpack(x)` crashes the same way), and
-//! so does calling such a method through [`TensorRef::object`] while a guard lives. numpy refuses
-//! to resize an array that is referenced (unless told `refcheck=False`). Kernels must not
+//! Python code run while a guard lives (a callback of the kernel, a method called through
+//! [`TensorRef::object`], a finalizer, another thread while the kernel runs without the GIL)
+//! cannot free the guarded memory of a borrowed argument: a borrowed view of a torch tensor keeps
+//! the memory of its storage valid until the view is dropped, whatever is done to the tensor
+//! (`x.set_()`, `x.resize_()`, `x.share_memory_()`; see `torch_bits::Keep`), and numpy refuses to
+//! resize an array that is referenced. What the guards cannot stop: the caller's library freeing
+//! memory where its own rules do not check: numpy's `a.resize(refcheck=False)` and
+//! `a.__setstate__(...)` free an array's data under numpy's own views too, and an owned import
+//! (a `ManagedTensor` argument, `from_dlpack`) holds what the producer's export holds: torch's
+//! holds the tensor, whose storage `set_` replaces (as under `torch.from_dlpack` consumers, or
+//! `torch.softmax` running while another thread replaces its input's storage). Kernels must not
 //! reallocate their arguments, and callers must not while a kernel runs: the zero-copy contract
 //! of every binding.
 //!
