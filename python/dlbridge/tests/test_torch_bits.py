@@ -706,3 +706,37 @@ print(total == 3.0 * N, x.numel())
 """
     )
     assert out.split() == ["True", "0"]
+
+
+@hooks
+def test_keepers_of_two_extensions_on_one_storage_chain() -> None:
+    # Each extension embedding dlbridge has its own keeper (its own deleter): a view made by one
+    # while the other's view lives wraps the other's keeper, gives it back when it goes, and the
+    # memory stays valid until the last view of either is gone, then is freed.
+    need("torch")
+    pytest.importorskip("dlbridge_scale", reason="needs examples/scale installed (make test does)")
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads /proc/self/maps")
+    out = _child(
+        f"""
+import torch, dlbridge._dlbridge as D, dlbridge_scale as S
+def mapped(p):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return True
+    return False
+x = torch.ones({_BIG}, dtype=torch.float64)
+p = x.data_ptr()
+def inner():
+    assert D._view(x)[0] == p  # a second keeper over the first, given back
+    x.set_(torch.zeros(0, dtype=torch.float64))
+    return mapped(p)
+print(S.while_reading(x, inner), mapped(p))
+y = torch.zeros(4, dtype=torch.float64).share_memory_()
+S.while_reading(y, lambda: D._view(y))
+print(y.is_shared())
+"""
+    )
+    assert out.split() == ["True", "False", "True"]
