@@ -6,6 +6,8 @@ answered, and that the cheap source is the one in use where torch allows it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import dlbridge
@@ -499,3 +501,242 @@ print(seen)
 """
     )
     assert out.strip() in ("[]", "['BufferError', 'BufferError', 'BufferError']"), out
+
+
+_STAND_IN = """
+import sys, types, torch as real, dlbridge._dlbridge as D
+# A pure-Python stand-in for sys.modules["torch"] whose Tensor has a slot where THPVariable keeps
+# cdata, and whose probes agree with ATen's reads of the objects in that slot: the bytes objects
+# are read as TensorImpls (all keys set, none set, or a version counter at an address the stand-in
+# chose). Taken for torch's own, the search's bump writes through that address (SIGSEGV).
+FF, ZERO = bytes([0xFF]) * 4096, bytes(4096)
+WILD = (0x4141414141414140).to_bytes(8, "little") * 512
+class FakeT:
+    __slots__ = ("impl",)
+    def __init__(self, impl): self.impl = impl
+    @property
+    def _cdata(self): return id(self.impl)
+    def is_neg(self): return self.impl is FF
+    def is_conj(self): return self.impl is FF
+    def conj(self): return FakeT(FF)
+    @property
+    def imag(self): return FakeT(FF)
+    def detach(self): return FakeT(self.impl)
+    def __getitem__(self, k): return FakeT(self.impl)
+    @property
+    def _version(self):
+        if self.impl is ZERO: raise RuntimeError("no counter")
+        return 0
+    @property
+    def data(self): return self
+    @data.setter
+    def data(self, v): self.impl = ZERO
+inference = [False]
+class Inference:
+    def __init__(self, on=True): self.on = on
+    def __enter__(self): self.was, inference[0] = inference[0], self.on
+    def __exit__(self, *a): inference[0] = self.was
+fake = types.ModuleType("torch")
+fake.__dict__.update(real.__dict__)
+fake.Tensor, fake.inference_mode = FakeT, Inference
+fake.arange = fake.ones = fake.complex = fake.zeros = (
+    lambda *a, **k: FakeT(WILD if a == (4,) and not inference[0] else ZERO))
+fake._neg_view = lambda t: FakeT(FF)
+sys.modules["torch"] = fake
+x = real.zeros(3, dtype=real.float64)
+D._typed_mut_fill(x, 2.0)  # the first torch write: the one-time search runs now
+assert x.tolist() == [2.0, 2.0, 2.0]
+try:
+    D._typed_mut_fill(FakeT(WILD), 1.0)
+    raise SystemExit("the stand-in's object was accepted")
+except TypeError:
+    pass
+print("ok", D._torch_bits_from_aten())
+"""
+
+
+@hooks
+def test_a_stand_in_for_the_torch_module_is_never_taken_for_torch() -> None:
+    # The type whose instances are read as THPVariables is torch's own (libtorch_python's
+    # THPVariableClass, based on a type inside libtorch_python), never sys.modules["torch"].Tensor:
+    # the stand-in's probes are not torch tensors, so the fast path stays off, and nothing is
+    # written through the stand-in's pointer (SIGSEGV before).
+    need("torch")
+    assert _child(_STAND_IN).split() == ["ok", "False"]
+
+
+# 64 MiB of float64: above glibc's largest mmap threshold, so freeing it unmaps it and a write
+# there faults at once (a smaller block may stay mapped and hide the use after free).
+_BIG = 1 << 23
+
+
+@hooks
+@pytest.mark.parametrize("kernel", ["TensorMut", "view"])
+def test_torchs_python_version_bump_cannot_free_what_a_kernel_writes(kernel: str) -> None:
+    # Where ATen's bump is not used (a subclass here; a torch whose functions were not verified
+    # alike), torch._C._increment_version is called: Python, which may replace the storage (here
+    # set_ frees it). The bump now runs before the view the kernel writes through is taken (a
+    # TensorMut argument), or before the view is checked against the tensor (a view's mutable
+    # access): the kernel wrote freed memory before (SIGSEGV).
+    need("torch")
+    out = _child(
+        f"""
+import torch, dlbridge._dlbridge as D
+class Sub(torch.Tensor):
+    pass
+x = torch.zeros({_BIG}, dtype=torch.float64)
+x.__class__ = Sub  # (as_subclass would leave a second owner of the storage behind)
+bump = torch._C._increment_version
+def swapping_bump(ts):
+    for t in ts:
+        if t.numel():
+            t.set_(torch.zeros(0, dtype=torch.float64))  # x's storage is freed here
+    return bump(ts)
+torch._C._increment_version = swapping_bump
+if {kernel!r} == "TensorMut":
+    D._typed_mut_fill(x, 7.0)  # the view is taken after the bump: x is empty now
+    print("ok", x.numel())
+else:
+    try:
+        D._view_add(x, 7.0)
+        raise SystemExit("accepted")
+    except TypeError as e:
+        assert "data: the tensor's memory was replaced" in str(e), e
+    print("ok", x.numel())
+"""
+    )
+    assert out.split() == ["ok", "0"]
+
+
+@hooks
+@pytest.mark.parametrize(
+    "frees", ["set_", "resize_", "share_memory_", "untyped_storage().resize_(0)", "swap_tensors", "del"]
+)
+def test_python_a_kernel_runs_cannot_free_the_memory_under_its_slice(frees: str) -> None:
+    # A kernel holding a slice of a borrowed torch view calls back into Python, which frees the
+    # tensor's memory: set_ and swap_tensors give the tensor other memory and drop its storage;
+    # resize_, share_memory_ and storage.resize_ give the same storage other memory. Holding the
+    # tensor (or torch's own DLPack export) or its StorageImpl keeps none of it alive. The view keeps
+    # the storage's DataPtr (the owner of the memory) valid until it is dropped, then the memory
+    # is freed as torch would have (the kernel wrote freed memory before: SIGSEGV).
+    need("torch")
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads /proc/self/maps")
+    out = _child(
+        f"""
+import torch, dlbridge._dlbridge as D
+def mapped(p):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return True
+    return False
+N = {_BIG}
+x = torch.ones(N, dtype=torch.float64)
+p = x.data_ptr()
+seen = []
+def callback():
+    global x
+    kind = {frees!r}
+    if kind == "set_":
+        x.set_(torch.zeros(0, dtype=torch.float64))
+    elif kind == "resize_":
+        x.resize_(4 * N)
+    elif kind == "share_memory_":
+        x.share_memory_()
+    elif kind == "untyped_storage().resize_(0)":
+        x.untyped_storage().resize_(0)
+    elif kind == "swap_tensors":
+        y = torch.zeros(1, dtype=torch.float64)
+        torch.utils.swap_tensors(x, y)
+        del y
+    seen.append(x.data_ptr() != p)
+    if kind == "del":
+        x = None  # the caller's reference is the argument's: the view borrows it
+    seen.append(mapped(p))
+total = D._slice_across_call(x, callback, 5.0)
+print(seen, total == 5.0 * N, mapped(p))
+"""
+    )
+    moved = frees != "del"
+    assert out.strip() == f"[{moved}, True] True False", out
+
+
+@hooks
+def test_a_view_gives_the_storage_its_own_memory_owner_back() -> None:
+    # While a view lives, the storage's DataPtr holds dlbridge's keeper; the last view of it gives
+    # the storage its own deleter back (torch tells shared memory by it), however many views of
+    # the storage lived at once.
+    torch = need("torch")
+    s = torch.zeros(8, dtype=torch.float64).share_memory_()
+    assert s.is_shared()
+    assert dlbridge._dlbridge._view_twice(s[:4], s[4:], 1.0) == "written"
+    assert s.is_shared() and s.tolist() == [0.0] * 4 + [1.0] * 4
+    seen = []
+    assert dlbridge._dlbridge._slice_across_call(s, lambda: seen.append(s.is_shared()), 2.0) == 16.0
+    assert seen == [False] and s.is_shared()  # the keeper inside the call only
+    x = torch.ones(4, dtype=torch.float64)
+    dlbridge._dlbridge._view(x)
+    x.add_(1.0)  # torch frees and reallocates as before
+    assert x.tolist() == [2.0] * 4
+    assert dlbridge._dlbridge._torch_views_keep_memory() is True
+
+
+@hooks
+def test_another_thread_cannot_free_the_memory_under_a_kernel_running_without_the_gil() -> None:
+    # The kernel releases the GIL while it holds its slice; another Python thread replaces the
+    # tensor's storage meanwhile. The view's keeper keeps the memory valid until the kernel is done
+    # (torch's own operations have no such keeper: an owned import does not either).
+    need("torch")
+    out = _child(
+        f"""
+import threading, time, torch, dlbridge._dlbridge as D
+N = {_BIG}
+x = torch.ones(N, dtype=torch.float64)
+def replace():
+    time.sleep(0.1)
+    x.set_(torch.zeros(0, dtype=torch.float64))
+    x.resize_(0)
+th = threading.Thread(target=replace)
+th.start()
+total = D._slice_across_detach(x, 0.5, 3.0)
+th.join()
+print(total == 3.0 * N, x.numel())
+"""
+    )
+    assert out.split() == ["True", "0"]
+
+
+@hooks
+def test_keepers_of_two_extensions_on_one_storage_chain() -> None:
+    # Each extension embedding dlbridge has its own keeper (its own deleter): a view made by one
+    # while the other's view lives wraps the other's keeper, gives it back when it goes, and the
+    # memory stays valid until the last view of either is gone, then is freed.
+    need("torch")
+    pytest.importorskip("dlbridge_scale", reason="needs examples/scale installed (make test does)")
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads /proc/self/maps")
+    out = _child(
+        f"""
+import torch, dlbridge._dlbridge as D, dlbridge_scale as S
+def mapped(p):
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return True
+    return False
+x = torch.ones({_BIG}, dtype=torch.float64)
+p = x.data_ptr()
+def inner():
+    assert D._view(x)[0] == p  # a second keeper over the first, given back
+    x.set_(torch.zeros(0, dtype=torch.float64))
+    return mapped(p)
+print(S.while_reading(x, inner), mapped(p))
+y = torch.zeros(4, dtype=torch.float64).share_memory_()
+S.while_reading(y, lambda: D._view(y))
+print(y.is_shared())
+"""
+    )
+    assert out.split() == ["True", "False", "True"]

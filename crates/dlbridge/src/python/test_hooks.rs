@@ -30,8 +30,12 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_of_view, m)?)?;
+    m.add_function(wrap_pyfunction!(_typed_mut_fill, m)?)?;
+    m.add_function(wrap_pyfunction!(_slice_across_call, m)?)?;
+    m.add_function(wrap_pyfunction!(_slice_across_detach, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_bits_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_writes_from_aten, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_views_keep_memory, m)?)?;
     m.add_function(wrap_pyfunction!(_xla_copy_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(_table_allocate, m)?)?;
     m.add_class::<HostileBuffer>()?;
@@ -294,6 +298,43 @@ fn _typed_mut_of_view(x: TensorView<'_>) -> PyResult<()> {
     Ok(())
 }
 
+/// Converts `x` as a `TensorMut<f64, Rank<1>, C>` and writes `value` into every element: a kernel
+/// writing its argument.
+#[pyfunction]
+fn _typed_mut_fill(
+    mut x: super::TensorMut<'_, f64, crate::spec::Rank<1>, crate::spec::C>,
+    value: f64,
+) -> PyResult<()> {
+    x.as_slice_mut()?.iter_mut().for_each(|v| *v = value);
+    Ok(())
+}
+
+/// A kernel that calls back into Python while it holds a mutable slice of `x` (C-contiguous
+/// float64): takes the slice, calls `f()`, then writes `value` into every element through the
+/// slice and returns the sum it reads back. Whatever `f` does to `x` (`set_`, `resize_`), the
+/// slice's memory must stay valid (or the access be refused).
+#[pyfunction]
+fn _slice_across_call(mut x: TensorView<'_>, f: &Bound<'_, PyAny>, value: f64) -> PyResult<f64> {
+    let mut s = x.as_slice_mut::<f64>()?;
+    f.call0()?;
+    s.iter_mut().for_each(|v| *v = value);
+    Ok(s.iter().sum())
+}
+
+/// A kernel that runs without the GIL while it holds a mutable slice of `x` (C-contiguous
+/// float64): takes the slice, releases the GIL for `seconds` (other Python threads run), then
+/// writes `value` into every element and returns the sum it reads back.
+#[pyfunction]
+fn _slice_across_detach(py: Python<'_>, mut x: TensorView<'_>, seconds: f64, value: f64) -> PyResult<f64> {
+    let mut s = x.as_slice_mut::<f64>()?;
+    let slice: &mut [f64] = &mut s;
+    Ok(py.detach(|| {
+        std::thread::sleep(std::time::Duration::from_secs_f64(seconds));
+        slice.iter_mut().for_each(|v| *v = value);
+        slice.iter().sum()
+    }))
+}
+
 /// Whether torch's negative and conjugate bits are read through ATen's native kernels in this
 /// process (verified once; else through the methods).
 #[pyfunction]
@@ -306,6 +347,13 @@ fn _torch_bits_from_aten(py: Python<'_>) -> bool {
 #[pyfunction]
 fn _torch_writes_from_aten(py: Python<'_>) -> bool {
     super::torch_bits::aten_bits(py).is_some_and(|b| b.writes_verified())
+}
+
+/// Whether borrowed views of torch tensors keep their memory valid through the storage's
+/// `DataPtr` in this process (verified once).
+#[pyfunction]
+fn _torch_views_keep_memory(py: Python<'_>) -> bool {
+    super::torch_bits::aten_bits(py).is_some_and(|b| b.keeps_memory())
 }
 
 crate::xla_handler! {

@@ -13,13 +13,18 @@
 //!
 //! What this relies on, checked once per process before it is used (else the methods are called,
 //! as before):
+//! - the type is torch's own `torch.Tensor`: the class `libtorch_python` holds in its global
+//!   `THPVariableClass` (what `THPVariable_Check` tests against), whose first static base lies in
+//!   `libtorch_python` itself (`dladdr`); never the `Tensor` attribute of `sys.modules["torch"]`,
+//!   which any Python code can replace (a stand-in with a slot where `cdata` sits passed the
+//!   probes, and ATen's bump then wrote through a pointer the stand-in chose);
 //! - an instance of exactly `torch.Tensor` is a `THPVariable`, whose `at::Tensor cdata` (one
 //!   `TensorImpl` pointer) follows the object header: the layout of torch's public header
 //!   `torch/csrc/autograd/python_variable.h`, which every C++ extension inlines
 //!   (`THPVariable_Unpack`). Checked: the type's `tp_basicsize` covers it, and for each probe tensor
 //!   the pointer there is the one `Tensor._cdata` reports;
-//! - the two symbols exist in the `libtorch_cpu` torch has loaded (found with `RTLD_NOLOAD`: never
-//!   loaded by dlbridge), and agree with `is_neg()`/`is_conj()` on probes with and without each bit
+//! - the two symbols exist in the `libtorch_cpu` torch has loaded (found by its soname with
+//!   `RTLD_NOLOAD`: never loaded by dlbridge), and agree with `is_neg()`/`is_conj()` on probes with and without each bit
 //!   (a negated view, `conj()`, `conj().imag`, a detached negated view, 0-d, empty, bfloat16, one
 //!   that requires grad).
 //!
@@ -41,6 +46,9 @@
 //! is refused before (what torch refuses of `x.add_()`), and inside inference mode there is
 //! nothing to bump.
 //!
+//! The same way, what keeps a borrowed view's memory valid whatever Python runs while the view
+//! lives (see [`Keep`]): the storage's `c10::DataPtr` is given a keeper shared with the view.
+//!
 //! Checked on probes made outside inference mode, whatever mode torch is first seen in: the
 //! counter is there exactly where `_version` can be read (a tensor, a view of it, an inference
 //! tensor, a plain tensor whose `.data` is an inference tensor); the bump adds exactly one to
@@ -48,7 +56,7 @@
 //! `torch.is_grad_enabled()` both ways; inference mode agrees now, inside `torch.inference_mode()`
 //! and inside `torch.inference_mode(False)`.
 
-use std::ffi::{CString, c_char, c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::ffi;
@@ -71,7 +79,8 @@ type FlagFn = unsafe extern "C-unwind" fn() -> bool;
 pub(crate) struct AtenBits {
     is_neg: BitFn,
     is_conj: BitFn,
-    /// The address of `torch.Tensor` (kept alive by the torch module, never unloaded).
+    /// The address of torch's own `torch.Tensor` (`libtorch_python`'s `THPVariableClass`, which
+    /// torch never releases).
     ty: usize,
     /// The address of `c10::UndefinedTensorImpl::_singleton`: the `TensorImpl` of an undefined
     /// tensor, which a `THPVariable` holds once the cyclic GC has cleared it (`THPVariable_clear`;
@@ -80,6 +89,8 @@ pub(crate) struct AtenBits {
     undefined: usize,
     /// The version counter and grad mode, when found and verified (else torch's Python functions).
     versions: Option<Versions>,
+    /// Where a tensor's storage keeps its memory, when found and verified (see [`Keep`]).
+    keep: Option<Keep>,
 }
 
 /// torch's version bump, inference test and grad mode (see the module docs).
@@ -139,6 +150,13 @@ pub(crate) fn aten_bits(py: Python<'_>) -> Option<&'static AtenBits> {
         return found.as_ref();
     }
     search(py)
+}
+
+/// The verified kernels if the one-time search has already decided (never starts it: it runs
+/// Python, which must not run between taking a view and using it).
+#[inline]
+pub(crate) fn aten_bits_found(py: Python<'_>) -> Option<&'static AtenBits> {
+    BITS.get(py)?.as_ref()
 }
 
 #[cold]
@@ -216,6 +234,12 @@ impl AtenBits {
         self.versions.is_some()
     }
 
+    /// Whether borrowed views keep the memory valid ([`Keep`] verified).
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn keeps_memory(&self) -> bool {
+        self.keep.is_some()
+    }
+
     /// Whether grad mode is on in this thread (`torch.is_grad_enabled()`), read through c10;
     /// `None` when that was not verified.
     #[inline]
@@ -248,6 +272,53 @@ impl AtenBits {
         Some(unsafe { !v.has_counter(t) && !(v.inference_mode)() })
     }
 
+    /// The pointer to `obj`'s `at::Tensor` if `obj` is an instance of the verified type or of a
+    /// subclass of it (the `THPVariable` layout: `tp_base`, which follows the layout, not the MRO a
+    /// metaclass may rewrite), and not the undefined tensor of a cleared object.
+    fn variable_of(&self, obj: &Bound<'_, PyAny>) -> Option<*const c_void> {
+        let mut ty = obj.get_type_ptr();
+        for _ in 0..64 {
+            if ty.is_null() {
+                return None;
+            }
+            if ty as usize == self.ty {
+                // SAFETY: an instance of the verified type or a subtype of it by layout: at least
+                // `tp_basicsize` long (checked to cover cdata), its first word there the
+                // `TensorImpl` pointer, read with the GIL held.
+                let t = unsafe { obj.as_ptr().cast::<u8>().add(CDATA_OFFSET).cast::<c_void>().cast_const() };
+                // SAFETY: as above.
+                let impl_ = unsafe { *t.cast::<usize>() };
+                return (impl_ != 0 && impl_ != self.undefined).then_some(t);
+            }
+            // SAFETY: a live type's field (each type keeps its base alive).
+            ty = unsafe { (*ty).tp_base };
+        }
+        None
+    }
+
+    /// Keeps the memory of `obj`'s storage valid until the returned [`Kept`] is released, whatever
+    /// happens to the storage meanwhile (see [`Keep`]); call it with no Python run since the view
+    /// of that memory was taken. `Ok(None)`: nothing to keep (no memory); `Err`: the memory
+    /// cannot be kept (the view must be refused), with the reason; `None` from the outer option:
+    /// not verified here (not a torch tensor, or an unverified torch).
+    pub(crate) fn keep_memory(&self, obj: &Bound<'_, PyAny>) -> Option<Result<Option<Kept>, &'static str>> {
+        let k = self.keep.as_ref()?;
+        let t = self.variable_of(obj)?;
+        // SAFETY: `t` is the live tensor's `at::Tensor` (a defined one), the GIL held.
+        Some(unsafe { k.keep(t) })
+    }
+
+    /// Gives back what [`AtenBits::keep_memory`] kept for `obj`: where `obj`'s storage still holds
+    /// the keeper and nothing else shares it, the storage gets its own `DataPtr` back.
+    pub(crate) fn release_memory(&self, obj: &Bound<'_, PyAny>, kept: Kept) {
+        let dp = match (self.keep.as_ref(), self.variable_of(obj)) {
+            // SAFETY: as in `keep_memory`.
+            (Some(k), Some(t)) => unsafe { k.data_ptr_of(t) },
+            _ => None,
+        };
+        kept.release(dp);
+    }
+
     /// Bumps `obj`'s version counter, as torch's in-place operations do (see [`Bump`]).
     #[inline]
     pub(crate) fn bump_version(&self, obj: &Bound<'_, PyAny>) -> Bump {
@@ -268,15 +339,13 @@ impl AtenBits {
 /// Finds the kernels and checks them on probe tensors; `Ok(None)` when anything does not
 /// hold (no torch, another layout, a symbol missing, a disagreement).
 fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
-    // Only where torch is already imported: dlbridge never imports it for this.
+    // Only where torch is already imported: dlbridge never imports it for this. The module is
+    // used for the probes only: the type whose instances are read is torch's own (`tensor_type`),
+    // never an attribute Python code can replace (a stand-in module's `Tensor` with a slot where
+    // `cdata` sits passed the checks, and ATen's bump wrote through a pointer it chose).
     let Some(torch) = py.import("sys")?.getattr("modules")?.get_item("torch").ok() else { return Ok(None) };
-    let tensor_type = torch.getattr("Tensor")?.cast_into::<pyo3::types::PyType>()?;
-    // SAFETY: reads a field of a live type object.
-    let basicsize = unsafe { (*tensor_type.as_type_ptr()).tp_basicsize };
-    if usize::try_from(basicsize).map_or(true, |b| b < CDATA_OFFSET + std::mem::size_of::<usize>()) {
-        return Ok(None);
-    }
-    let Some(lib) = torch_cpu(&torch)? else { return Ok(None) };
+    let Some(tensor_type) = torch_tensor_type(py) else { return Ok(None) };
+    let Some(lib) = loaded(c"libtorch_cpu.so") else { return Ok(None) };
     let sym = |name: &std::ffi::CStr| {
         // SAFETY: a handle from dlopen and a NUL-terminated name.
         let p = unsafe { dlsym(lib, name.as_ptr()) };
@@ -300,6 +369,7 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
         ty: tensor_type.as_type_ptr() as usize,
         undefined: undefined as usize,
         versions: None,
+        keep: None,
     };
     // The probes run with the caller's modes set aside (a TorchFunctionMode, a dispatch mode such
     // as FakeTensorMode or make_fx's tracer, a default device, inference mode): they are real CPU
@@ -375,6 +445,11 @@ fn probe(
     // A failure there leaves only that part to torch's Python functions (an interrupt is passed on).
     bits.versions = match find_versions(py, torch, bits, lib) {
         Ok(v) => v,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => return Err(e),
+        Err(_) => None,
+    };
+    bits.keep = match find_keep(py, torch, bits, lib) {
+        Ok(k) => k,
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => return Err(e),
         Err(_) => None,
     };
@@ -479,15 +554,366 @@ fn find_versions(
     Ok(agrees.then_some(v))
 }
 
-/// The `libtorch_cpu` torch has loaded (never loads it: `RTLD_NOLOAD`).
-fn torch_cpu(torch: &Bound<'_, PyAny>) -> PyResult<Option<*mut c_void>> {
-    let file: String = torch.getattr("__file__")?.extract()?;
-    let Some(dir) = std::path::Path::new(&file).parent() else { return Ok(None) };
-    let path = dir.join("lib").join("libtorch_cpu.so");
-    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return Ok(None) };
+/// The library of this soname if it is loaded (never loads it: `RTLD_NOLOAD`). The soname, not a
+/// path taken from `torch.__file__`, which Python code can set.
+fn loaded(soname: &std::ffi::CStr) -> Option<*mut c_void> {
     const RTLD_LAZY: c_int = 1;
     const RTLD_NOLOAD: c_int = 4;
-    // SAFETY: a NUL-terminated path; RTLD_NOLOAD returns an already loaded library or NULL.
-    let lib = unsafe { dlopen(c.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
-    Ok((!lib.is_null()).then_some(lib))
+    // SAFETY: a NUL-terminated name; RTLD_NOLOAD returns an already loaded library or NULL.
+    let lib = unsafe { dlopen(soname.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
+    (!lib.is_null()).then_some(lib)
+}
+
+/// `Dl_info` of `dladdr`.
+#[repr(C)]
+struct DlInfo {
+    fname: *const c_char,
+    fbase: *mut c_void,
+    sname: *const c_char,
+    saddr: *mut c_void,
+}
+
+unsafe extern "C" {
+    fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
+}
+
+/// The base address of the loaded object that contains `addr` (`None`: none does, e.g. the heap).
+fn object_of(addr: *const c_void) -> Option<usize> {
+    let mut info = DlInfo {
+        fname: std::ptr::null(),
+        fbase: std::ptr::null_mut(),
+        sname: std::ptr::null(),
+        saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: `dladdr` only compares `addr` with the loaded objects' ranges and fills `info`.
+    (unsafe { dladdr(addr, &mut info) } != 0 && !info.fbase.is_null()).then_some(info.fbase as usize)
+}
+
+/// torch's own `torch.Tensor`, proven from torch's library rather than taken from a Python
+/// attribute: the type `libtorch_python` holds in its global `THPVariableClass` (set when torch
+/// was imported, the class `THPVariable_Check` tests against), whose first static base is a type
+/// object inside `libtorch_python` itself (`torch._C.TensorBase`, the `THPVariable` layout: a
+/// Python-made type is on the heap, so it is no such base) and covers `cdata`. `None` when any
+/// of this does not hold.
+fn torch_tensor_type(py: Python<'_>) -> Option<Bound<'_, pyo3::types::PyType>> {
+    let lib = loaded(c"libtorch_python.so")?;
+    // SAFETY: a handle from dlopen and a NUL-terminated name.
+    let slot = unsafe { dlsym(lib, c"THPVariableClass".as_ptr()) }.cast::<*mut ffi::PyObject>();
+    if slot.is_null() {
+        return None;
+    }
+    let home = object_of(slot.cast())?;
+    // SAFETY: the exported global `PyObject* THPVariableClass`, written by torch at import with
+    // the GIL held; read with the GIL held.
+    let class = unsafe { *slot };
+    // SAFETY: a non-NULL pointer torch keeps a reference to (it never releases the class).
+    if class.is_null() || unsafe { ffi::PyType_Check(class) } == 0 {
+        return None;
+    }
+    // SAFETY: a live type object (checked), borrowed.
+    let ty = unsafe { Bound::from_borrowed_ptr(py, class) }.cast_into::<pyo3::types::PyType>().ok()?;
+    let covers = |t: *mut ffi::PyTypeObject| {
+        // SAFETY: a live type object's field.
+        usize::try_from(unsafe { (*t).tp_basicsize })
+            .is_ok_and(|b| b >= CDATA_OFFSET + std::mem::size_of::<usize>())
+    };
+    let mut base = ty.as_type_ptr();
+    // SAFETY: a live type's flags (each type keeps its base alive); the chain ends at `object`,
+    // a static type.
+    while unsafe { ffi::PyType_HasFeature(base, ffi::Py_TPFLAGS_HEAPTYPE) } != 0 {
+        // SAFETY: a live type's field.
+        base = unsafe { (*base).tp_base };
+        if base.is_null() {
+            return None;
+        }
+    }
+    (covers(ty.as_type_ptr()) && covers(base) && object_of(base.cast()) == Some(home)).then_some(ty)
+}
+
+/// `c10::DeleterFnPtr`: `void (*)(void*)`.
+type DeleterFn = unsafe extern "C-unwind" fn(*mut c_void);
+
+/// How a borrowed view keeps a torch tensor's memory valid (verified on probes, see
+/// [`find_keep`]).
+///
+/// Holding the tensor, or a reference to its `StorageImpl`, is not enough: `x.set_()` gives the
+/// tensor another storage, and `x.resize_()`, `x.share_memory_()` or `storage.resize_()` give the
+/// same storage other memory, each freeing the old memory at once (torch's own DLPack export and
+/// `x.numpy()` have this gap). What frees the memory is the storage's `c10::DataPtr`, a unique
+/// owner `{data, deleter, context}`: its deleter runs when the storage drops or replaces it.
+/// So while a view lives, the `DataPtr` owns the memory through a shared keeper ([`Held`]: the
+/// original deleter and context, and a count of holders), whose deleter only counts down: the
+/// original deleter runs once neither the storage nor any view holds the keeper. When the last
+/// view goes and the storage still holds the keeper, the storage gets its own deleter and context
+/// back (so a deleter identity torch reads afterwards, `is_shared()`, is its own again).
+///
+/// The layout this writes is torch's public headers, checked on probes: `TensorImpl::storage_` (one
+/// `StorageImpl*`) and `StorageImpl::data_ptr_` (`DataPtr` = `UniqueVoidPtr{data_, unique_ptr<void,
+/// DeleterFnPtr> ctx_}`, libstdc++ keeping the deleter before the pointer), found where the probes
+/// put the storage and the data (`untyped_storage()._cdata`, `data_ptr()`), the context of
+/// torch's CPU allocator being the data itself and its deleter inside `libc10`; then a keeper is
+/// put on a probe and given back, and put on a probe torch then frees (its deleter must run).
+/// Copy-on-write storages (`torch._lazy_clone`, deleter `c10::impl::cow::cow_deleter`) are not
+/// wrapped: torch tells them by that deleter, and a write would stop copying. Such a view is
+/// refused.
+struct Keep {
+    /// Byte offset of `storage_` in a `TensorImpl`.
+    storage: usize,
+    /// Byte offset of `data_ptr_` in a `StorageImpl`.
+    data_ptr: usize,
+    /// `c10::impl::cow::cow_deleter`.
+    cow: usize,
+}
+
+/// The words of a `DataPtr`, as [`Keep`] found them.
+#[repr(C)]
+struct DataPtrWords {
+    data: *mut c_void,
+    deleter: Option<DeleterFn>,
+    context: *mut c_void,
+}
+
+/// The keeper a kept `DataPtr` holds as its context (see [`Keep`]).
+struct Held {
+    /// Holders: the storage's `DataPtr` while it holds the keeper, and each [`Kept`].
+    holders: std::sync::atomic::AtomicUsize,
+    deleter: Option<DeleterFn>,
+    context: *mut c_void,
+}
+
+/// A view's hold on a torch tensor's memory ([`AtenBits::keep_memory`]). Dropped without
+/// [`AtenBits::release_memory`], it counts down only (the storage keeps the keeper until torch
+/// frees it), and only with the GIL: without it the memory is kept for good rather than risk a
+/// deleter that waits for the GIL (never reached: a view is dropped where it was made).
+pub(crate) struct Kept(std::ptr::NonNull<Held>);
+
+/// The keeper's deleter, in the storage's `DataPtr`: runs where torch frees or replaces it (any
+/// thread, with or without the GIL).
+unsafe extern "C-unwind" fn keeper_deleter(context: *mut c_void) {
+    // SAFETY: the context is the `Held` this keeper was made with, alive while it has holders.
+    unsafe { drop_holder(context.cast()) };
+}
+
+/// The address of [`keeper_deleter`] (how a kept `DataPtr` is told apart).
+fn keeper_address() -> usize {
+    keeper_deleter as DeleterFn as usize
+}
+
+/// Counts one holder of `held` down; the last one runs the original deleter (as the `DataPtr`
+/// would have: a NULL context is not deleted) and frees the keeper.
+///
+/// # Safety
+///
+/// `held` is a live keeper and the caller is one of its holders, counted once.
+unsafe fn drop_holder(held: *mut Held) {
+    // SAFETY: the caller's promise.
+    if unsafe { (*held).holders.fetch_sub(1, Ordering::AcqRel) } != 1 {
+        return;
+    }
+    // SAFETY: the last holder: nothing else reads the keeper; made by `Box::new` in `keep`.
+    let held = unsafe { Box::from_raw(held) };
+    if let (Some(d), false) = (held.deleter, held.context.is_null()) {
+        // SAFETY: the storage's own deleter and context, run once, as its `DataPtr` would have.
+        unsafe { d(held.context) };
+    }
+}
+
+impl Keep {
+    /// Where the `DataPtr` of the storage of the tensor at `t` is, or `None` without a storage.
+    ///
+    /// # Safety
+    ///
+    /// `t` points to a live, defined `at::Tensor`, the GIL held.
+    unsafe fn data_ptr_of(&self, t: *const c_void) -> Option<*mut DataPtrWords> {
+        // SAFETY: the caller's promise; the offsets were found on probes (see [`Keep`]).
+        unsafe {
+            let impl_ = *t.cast::<*const u8>();
+            let storage = *impl_.add(self.storage).cast::<*mut u8>();
+            (!storage.is_null()).then(|| storage.add(self.data_ptr).cast::<DataPtrWords>())
+        }
+    }
+
+    /// See [`AtenBits::keep_memory`].
+    ///
+    /// # Safety
+    ///
+    /// As for [`Keep::data_ptr_of`].
+    unsafe fn keep(&self, t: *const c_void) -> Result<Option<Kept>, &'static str> {
+        // SAFETY: the caller's promise.
+        let Some(dp) = (unsafe { self.data_ptr_of(t) }) else { return Err("the tensor has no storage") };
+        // SAFETY: the live storage's `DataPtr`, read and written with the GIL held (torch changes
+        // a storage only with the GIL held or from a thread its caller started: torch's own limit).
+        unsafe {
+            if (*dp).data.is_null() {
+                return Ok(None);
+            }
+            let deleter = (*dp).deleter.map_or(0, |d| d as usize);
+            if deleter == keeper_address() {
+                // Already kept by another view: one holder more.
+                let held = (*dp).context.cast::<Held>();
+                (*held).holders.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(Kept(std::ptr::NonNull::new_unchecked(held))));
+            }
+            if deleter == self.cow {
+                return Err("the tensor's storage is copy-on-write (a lazy clone); pass a .clone()");
+            }
+            let held = Box::into_raw(new_held(Held {
+                holders: std::sync::atomic::AtomicUsize::new(2),
+                deleter: (*dp).deleter,
+                context: (*dp).context,
+            }));
+            (*dp).context = held.cast();
+            (*dp).deleter = Some(keeper_deleter);
+            Ok(Some(Kept(std::ptr::NonNull::new_unchecked(held))))
+        }
+    }
+}
+
+impl Kept {
+    /// Gives the hold back; `dp` is the `DataPtr` of the viewed tensor's storage now (if any).
+    /// Called with the GIL held (the last holder may run a deleter that takes it).
+    fn release(self, dp: Option<*mut DataPtrWords>) {
+        let held = self.0.as_ptr();
+        std::mem::forget(self);
+        if let Some(dp) = dp {
+            // SAFETY: the live storage's `DataPtr` (the viewed tensor is alive), the GIL held; the
+            // keeper is alive (this hold counts).
+            unsafe {
+                let ours = (*dp).deleter.is_some_and(|d| d as usize == keeper_address())
+                    && (*dp).context == held.cast();
+                // Only the storage and this view hold it: the storage gets its own back.
+                if ours && (*held).holders.load(Ordering::Acquire) == 2 {
+                    let held = Box::from_raw(held);
+                    (*dp).deleter = held.deleter;
+                    (*dp).context = held.context;
+                    keep_spare(held);
+                    return;
+                }
+            }
+        }
+        // SAFETY: this hold counted once; given back once.
+        unsafe { drop_holder(held) };
+    }
+}
+
+thread_local! {
+    /// One keeper's allocation kept for the next view of this thread (a view costs no
+    /// allocation in steady state).
+    static SPARE: std::cell::Cell<Option<Box<Held>>> = const { std::cell::Cell::new(None) };
+}
+
+/// `held` in a new allocation, or in this thread's spare one.
+fn new_held(held: Held) -> Box<Held> {
+    match SPARE.take() {
+        Some(mut b) => {
+            *b = held;
+            b
+        }
+        None => Box::new(held),
+    }
+}
+
+/// Keeps a keeper's allocation no longer used for this thread's next view.
+fn keep_spare(b: Box<Held>) {
+    if let Some(other) = SPARE.replace(Some(b)) {
+        drop(other);
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        if super::release::attached_here() {
+            // SAFETY: this hold counted once; given back once.
+            unsafe { drop_holder(self.0.as_ptr()) };
+        }
+    }
+}
+
+/// Finds and checks [`Keep`] on probes; `Ok(None)` when anything does not hold.
+fn find_keep(
+    py: Python<'_>,
+    torch: &Bound<'_, PyAny>,
+    bits: &AtenBits,
+    lib: *mut c_void,
+) -> PyResult<Option<Keep>> {
+    // SAFETY: a handle from dlopen and NUL-terminated names (c10's, through libtorch_cpu's
+    // dependencies); only their addresses are used here.
+    let (cow, free_cpu) = unsafe {
+        (
+            dlsym(lib, c"_ZN3c104impl3cow11cow_deleterEPv".as_ptr()),
+            dlsym(lib, c"_ZN3c108free_cpuEPv".as_ptr()),
+        )
+    };
+    if cow.is_null() || free_cpu.is_null() {
+        return Ok(None);
+    }
+    let c10 = object_of(free_cpu);
+    let globals = pyo3::types::PyDict::new(py);
+    globals.set_item("torch", torch)?;
+    py.run(
+        c"a = torch.zeros(1000)\nprobes = [a, a[10:], torch.zeros(7, dtype=torch.float64), torch.ones(3, 2)]\n\
+          storages = [p.untyped_storage()._cdata for p in probes]\n\
+          datas = [p.untyped_storage().data_ptr() for p in probes]\n",
+        Some(&globals),
+        None,
+    )?;
+    let item =
+        |k: &str| globals.get_item(k)?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(k.to_owned()));
+    let storages: Vec<usize> = item("storages")?.extract()?;
+    let datas: Vec<usize> = item("datas")?.extract()?;
+    let mut tensors = Vec::new();
+    for p in item("probes")?.try_iter()? {
+        let Some(t) = bits.tensor_of(&p?) else { return Ok(None) };
+        tensors.push(t);
+    }
+    let word = |p: usize| {
+        // SAFETY: only called on words inside a probe's live TensorImpl or StorageImpl (offsets
+        // below their sizes: a TensorImpl and a StorageImpl are far larger than 80 bytes).
+        unsafe { *(p as *const usize) }
+    };
+    // SAFETY: a live probe tensor's `at::Tensor`, the GIL held: its TensorImpl pointer.
+    let impls: Vec<usize> = tensors.iter().map(|&t| unsafe { *t.cast::<usize>() }).collect();
+    // The first word past the object's header (vtable, reference counts) that holds the wanted
+    // value for every probe (the `DataPtr`'s context repeats its data further on).
+    let find = |bases: &[usize], wanted: &[usize]| {
+        (1..10).map(|k| k * 8).find(|&o| bases.iter().zip(wanted).all(|(&b, &w)| word(b + o) == w))
+    };
+    let Some(storage) = find(&impls, &storages) else { return Ok(None) };
+    let Some(data_ptr) = find(&storages, &datas) else { return Ok(None) };
+    // torch's CPU allocator: the context is the data, the deleter in libc10.
+    let allocator_words = storages.iter().zip(&datas).all(|(&s, &d)| {
+        let deleter = word(s + data_ptr + 8);
+        word(s + data_ptr + 16) == d && deleter != 0 && object_of(deleter as *const c_void) == c10
+    });
+    if !allocator_words || c10.is_none() {
+        return Ok(None);
+    }
+    let keep = Keep { storage, data_ptr, cow: cow as usize };
+    // A keeper given back restores the storage's own words; a keeper on a storage torch frees
+    // runs its deleter (the probe's memory is freed once the hold is given back too).
+    let (t0, s0) = (tensors[0], storages[0]);
+    let before = (word(s0 + data_ptr + 8), word(s0 + data_ptr + 16));
+    // SAFETY: a live probe tensor, the GIL held.
+    let Ok(Some(kept)) = (unsafe { keep.keep(t0) }) else { return Ok(None) };
+    // SAFETY: as above.
+    let Ok(Some(second)) = (unsafe { keep.keep(t0) }) else { return Ok(None) };
+    // SAFETY: as above.
+    let dp = unsafe { keep.data_ptr_of(t0) };
+    second.release(dp);
+    kept.release(dp);
+    if (word(s0 + data_ptr + 8), word(s0 + data_ptr + 16)) != before {
+        return Ok(None);
+    }
+    py.run(c"f = torch.zeros(5)\nfd = f.data_ptr()\n", Some(&globals), None)?;
+    let Some(tf) = bits.tensor_of(&item("f")?) else { return Ok(None) };
+    // SAFETY: a live probe tensor, the GIL held.
+    let Ok(Some(kept)) = (unsafe { keep.keep(tf) }) else { return Ok(None) };
+    let held = kept.0.as_ptr();
+    py.run(c"f.set_(torch.zeros(0))\nfd2 = f.data_ptr()\n", Some(&globals), None)?;
+    // SAFETY: the keeper is alive (`kept` holds it).
+    let freed_by_torch = unsafe { (*held).holders.load(Ordering::Acquire) } == 1;
+    // SAFETY: as above.
+    let dp = unsafe { keep.data_ptr_of(tf) };
+    kept.release(dp);
+    Ok(freed_by_torch.then_some(keep))
 }

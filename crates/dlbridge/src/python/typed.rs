@@ -34,11 +34,17 @@
 //! The arguments themselves are not `Send`: they may hold a Python buffer view, whose release needs
 //! the GIL, and their storage block belongs to the thread's pool.
 //!
-//! What the guards cannot stop: the caller's own library changing the memory. While the GIL is
-//! released, other Python threads run; a torch `x.set_(...)` or `x.resize_(...)` there frees the
-//! storage under every DLPack consumer of `x` (`numpy.from_dlpack(x)` crashes the same way), and
-//! so does calling such a method through [`TensorRef::object`] while a guard lives. numpy refuses
-//! to resize an array that is referenced (unless told `refcheck=False`). Kernels must not
+//! Python code run while a guard lives (a callback of the kernel, a method called through
+//! [`TensorRef::object`], a finalizer, another thread while the kernel runs without the GIL)
+//! cannot free the guarded memory of a borrowed argument: a borrowed view of a torch tensor keeps
+//! the memory of its storage valid until the view is dropped, whatever is done to the tensor
+//! (`x.set_()`, `x.resize_()`, `x.share_memory_()`; see `torch_bits::Keep`), and numpy refuses to
+//! resize an array that is referenced. What the guards cannot stop: the caller's library freeing
+//! memory where its own rules do not check: numpy's `a.resize(refcheck=False)` and
+//! `a.__setstate__(...)` free an array's data under numpy's own views too, and an owned import
+//! (a `ManagedTensor` argument, `from_dlpack`) holds what the producer's export holds: torch's
+//! holds the tensor, whose storage `set_` replaces (as under `torch.from_dlpack` consumers, or
+//! `torch.softmax` running while another thread replaces its input's storage). Kernels must not
 //! reallocate their arguments, and callers must not while a kernel runs: the zero-copy contract
 //! of every binding.
 //!
@@ -278,8 +284,11 @@ fn extract_checked<'a>(
 }
 
 /// [`extract_checked`] for writing. torch's write rules are read first: their getters may run
-/// Python (a torch function mode, a subclass), which may replace the tensor's storage; nothing
-/// between taking the view and bumping the version runs Python.
+/// Python (a torch function mode, a subclass), which may replace the tensor's storage. Nothing
+/// between taking the view the kernel gets and handing it over runs Python: ATen's version bump
+/// (exactly `torch.Tensor`, verified) runs none; where torch's Python function bumps instead, the
+/// bump is made before that view is taken (a first view checks the requirements, so a mismatch
+/// bumps nothing, and is dropped: the Python of the bump could free what it describes).
 #[inline(never)]
 fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec) -> PyResult<TensorView<'a>> {
     let torch = super::cache::type_info(&obj.get_type())?.torch;
@@ -289,23 +298,40 @@ fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec)
     }
     // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
     let view = unsafe { TensorView::borrow_checked(&obj, spec) }?;
-    if torch.is_some() {
-        bump_version(&obj)?;
+    if torch.is_none() || bump_version_in_aten(&obj) {
+        return Ok(view);
     }
-    Ok(view)
+    drop(view);
+    bump_version_in_python(&obj)?;
+    // SAFETY: as above.
+    unsafe { TensorView::borrow_checked(&obj, spec) }
 }
 
 /// Bumps a torch tensor's version counter (after `TorchState::refuse_write`), as torch's own
 /// in-place operations do, so autograd refuses a backward pass through a value a kernel overwrote
 /// ("modified by an inplace operation") instead of computing wrong gradients: through ATen's
 /// `bump_version` where verified (exactly `torch.Tensor`, [`super::torch_bits`]; a tensor without
-/// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here).
+/// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here), which runs
+/// Python: call it before taking a view that is used afterwards.
 pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    if bump_version_in_aten(obj) { Ok(()) } else { bump_version_in_python(obj) }
+}
+
+/// The version bump through ATen, running no Python: whether it was decided here (bumped, or no
+/// counter to bump). Never starts the one-time search of ATen's functions (which runs Python):
+/// the write rules read before it did.
+#[inline]
+fn bump_version_in_aten(obj: &Bound<'_, PyAny>) -> bool {
+    matches!(
+        super::torch_bits::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
+        Some(super::torch_bits::Bump::Done | super::torch_bits::Bump::NoCounter)
+    )
+}
+
+/// The version bump through `torch._C._increment_version`: Python, which may replace the storage.
+#[cold]
+fn bump_version_in_python(obj: &Bound<'_, PyAny>) -> PyResult<()> {
     let py = obj.py();
-    match super::torch_bits::aten_bits(py).map(|b| b.bump_version(obj)) {
-        Some(super::torch_bits::Bump::Done | super::torch_bits::Bump::NoCounter) => return Ok(()),
-        Some(super::torch_bits::Bump::NotHere) | None => {}
-    }
     static BUMP: pyo3::sync::PyOnceLock<Option<Py<PyAny>>> = pyo3::sync::PyOnceLock::new();
     let bump = BUMP.get_or_init(py, || {
         py.import("torch")

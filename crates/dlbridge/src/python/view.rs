@@ -35,6 +35,10 @@ struct Borrow {
     /// in-place writes is checked when mutable access is asked for. (Here rather than in the
     /// view, which every numpy argument builds and returns: one field fewer to move.)
     torch: Option<&'static super::exchange::TorchState>,
+    /// The hold on a torch tensor's memory (see `torch_bits::Keep`): whatever Python code the
+    /// kernel runs (`x.set_()`, `x.resize_()`, `x.share_memory_()`), the memory stays valid while
+    /// the view lives.
+    kept: Option<super::torch_bits::Kept>,
 }
 
 thread_local! {
@@ -89,16 +93,23 @@ impl TensorView<'_> {
     /// - torch's own rules on in-place writes (`TorchState::refuse_write`: no write into a leaf
     ///   that requires grad while grad mode is on, nor into an inference tensor outside inference
     ///   mode);
-    /// - the view still describing the tensor's memory: those rules are read through getters that
-    ///   a torch function mode or a subclass may route to Python, which may replace the storage
-    ///   (`x.set_()`, `x.data = ...`); the table's description is read again (no Python) and must
-    ///   be the view's, else the access is refused rather than write freed memory;
     /// - the version counter bumped, as torch's in-place operations do (so a backward through a
-    ///   value saved before the write fails instead of computing a wrong gradient).
+    ///   value saved before the write fails instead of computing a wrong gradient);
+    /// - the view still describing the tensor's memory: those rules are read through getters that
+    ///   a torch function mode or a subclass may route to Python, and the bump may be torch's
+    ///   Python function; that Python may replace the storage (`x.set_()`, `x.data = ...`). The
+    ///   table's description is read again after them (no Python) and must be the view's, else the
+    ///   access is refused rather than write freed memory.
     fn prepare_producer_write(&self) -> crate::Result<()> {
         let Some((state, py)) = self.torch_attached()? else { return Ok(()) };
         let obj = self.object(py);
         state.refuse_write(&obj)?;
+        // The bump before the check below: where torch's Python function bumps (not exactly
+        // `torch.Tensor`, or ATen not verified), that Python may replace the storage too.
+        super::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
+            field: "_version",
+            reason: format!("could not be bumped: {e}"),
+        })?;
         let moved = |reason: &str| crate::Error::WriteRefused { field: "data", reason: reason.into() };
         let api = super::cache::type_info(&obj.get_type())
             .ok()
@@ -125,14 +136,12 @@ impl TensorView<'_> {
         };
         if !same {
             return Err(moved(
-                "the tensor's memory was replaced while torch's write rules were read (by Python code \
-                 they ran: a torch function mode or a subclass); the view no longer describes it",
+                "the tensor's memory was replaced while torch's write rules were read or its version \
+                 bumped (by Python code they ran: a torch function mode, a subclass, torch's Python \
+                 functions); the view no longer describes it",
             ));
         }
-        super::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
-            field: "_version",
-            reason: format!("could not be bumped: {e}"),
-        })
+        Ok(())
     }
 
     /// The torch state of a torch tensor's view, with the GIL this thread must hold to use it.
@@ -325,7 +334,9 @@ impl<'a> TensorView<'a> {
             Ok(tensor) => Self::with(tensor, Some(block), source).checked(spec),
             Err(e) => {
                 // SAFETY: the block from `Box::into_raw`, no longer pointed to by anything.
-                recycle(unsafe { Box::from_raw(block.as_ptr()) });
+                let mut b = unsafe { Box::from_raw(block.as_ptr()) };
+                release_kept(&mut b, source);
+                recycle(b);
                 Err(e.into())
             }
         }
@@ -418,6 +429,20 @@ impl<'a> TensorView<'a> {
                         }
                     }
                     b.torch = api.torch_state();
+                    if b.torch.is_some() {
+                        // No Python has run since the table's description: the storage kept is the
+                        // one it describes.
+                        match super::torch_bits::aten_bits_found(obj.py()).and_then(|a| a.keep_memory(obj)) {
+                            Some(Ok(kept)) => b.kept = kept,
+                            Some(Err(why)) => {
+                                recycle(b);
+                                return Err(PyBufferError::new_err(format!(
+                                    "a borrowed view cannot keep this tensor's memory valid: {why}"
+                                )));
+                            }
+                            None => {}
+                        }
+                    }
                     return Self::from_borrow(b, Flags::NONE, source, spec);
                 }
                 // Device memory needs stream handling: the protocol path below.
@@ -477,8 +502,30 @@ impl Drop for TensorView<'_> {
         // be released and recycled first.
         if let Some(b) = self.borrow.take() {
             // SAFETY: the block from `Box::into_raw` in `from_borrow`, owned by this view alone.
-            recycle(unsafe { Box::from_raw(b.as_ptr()) });
+            let mut b = unsafe { Box::from_raw(b.as_ptr()) };
+            release_kept(&mut b, self.source);
+            recycle(b);
         }
+    }
+}
+
+/// Gives back the block's hold on a torch tensor's memory, restoring the storage's own `DataPtr`
+/// where nothing else holds it (`source`: the viewed object, alive).
+fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
+    let Some(kept) = b.kept.take() else { return };
+    if !super::release::attached_here() {
+        // (A view is dropped where it was made, with the GIL; without it the hold is kept: the
+        // last holder may run a deleter that takes the GIL.)
+        return drop(kept);
+    }
+    // SAFETY: this thread holds the GIL (checked just above); `source` is the live viewed object.
+    let (py, obj) = unsafe {
+        let py = Python::assume_attached();
+        (py, Borrowed::from_ptr(py, source.as_ptr()))
+    };
+    match super::torch_bits::aten_bits_found(py) {
+        Some(bits) => bits.release_memory(&obj, kept),
+        None => drop(kept),
     }
 }
 
@@ -486,6 +533,7 @@ impl Drop for TensorView<'_> {
 fn recycle(mut b: Box<Borrow>) {
     b.buffer = None;
     b.torch = None;
+    b.kept = None;
     POOL.with_borrow_mut(|p| {
         if p.len() < 8 {
             p.push(b);
@@ -519,5 +567,6 @@ fn blank() -> Box<Borrow> {
         dims: Dims::new(),
         buffer: None,
         torch: None,
+        kept: None,
     })
 }
