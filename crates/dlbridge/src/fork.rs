@@ -55,6 +55,7 @@ impl<T: Send + 'static> ForkSafeMutex<T> {
 }
 
 /// A lock the fork handlers hold across `fork`.
+#[cfg_attr(miri, allow(dead_code))]
 trait Hold: Sync {
     /// Locks it and returns the guard, boxed.
     fn hold(&'static self) -> Box<dyn Any>;
@@ -79,6 +80,7 @@ thread_local! {
     static HELD: RefCell<Vec<Box<dyn Any>>> = const { RefCell::new(Vec::new()) };
 }
 
+#[cfg_attr(miri, allow(dead_code))]
 extern "C" fn before_fork() {
     let list = guarded();
     let mut guards: Vec<Box<dyn Any>> = Vec::with_capacity(list.len() + 1);
@@ -90,6 +92,7 @@ extern "C" fn before_fork() {
     HELD.with(|held| *held.borrow_mut() = guards);
 }
 
+#[cfg_attr(miri, allow(dead_code))]
 extern "C" fn after_fork() {
     // In the parent and in the child alike: let go in the reverse order.
     let mut guards = HELD.with(|held| std::mem::take(&mut *held.borrow_mut()));

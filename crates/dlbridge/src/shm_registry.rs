@@ -106,7 +106,8 @@ fn retain(e: &RawEntry) -> Option<Retained> {
     // SAFETY: the owner's own function on its own weak reference (the entry is live: its owner
     // removes it under this lock before the weak reference is freed).
     let strong = unsafe { (e.retain)(e.owner) };
-    (!strong.is_null()).then_some(Retained { entry: *e, strong })
+    // Made only when retained: a `Retained` gives its reference back when dropped.
+    if strong.is_null() { None } else { Some(Retained { entry: *e, strong }) }
 }
 
 fn found(r: Option<Retained>, out: *mut Retained) -> c_int {
@@ -220,10 +221,85 @@ pub(crate) fn remove(data: usize) {
 }
 
 /// How many mappings of segment (dev, ino, token) the process's list holds (tests).
-#[cfg(test)]
+#[cfg(all(test, not(miri)))]
 pub(crate) fn entries(dev: u64, ino: u64, token: [u8; 16]) -> usize {
     if !std::ptr::eq(process(), &LOCAL) {
         return usize::MAX;
     }
     LIST.lock().iter().filter(|e| (e.dev, e.ino, e.token) == (dev, ino, token)).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A fake owner: a live flag and a count of strong references handed out.
+    struct Owner {
+        live: std::sync::atomic::AtomicBool,
+        strong: AtomicUsize,
+    }
+
+    unsafe extern "C" fn fake_retain(owner: *const c_void) -> *const c_void {
+        // SAFETY: the tests pass a pointer to a live `Owner`.
+        let o = unsafe { &*owner.cast::<Owner>() };
+        if !o.live.load(Ordering::SeqCst) {
+            return std::ptr::null();
+        }
+        o.strong.fetch_add(1, Ordering::SeqCst);
+        owner
+    }
+
+    unsafe extern "C" fn fake_release(strong: *const c_void) {
+        // SAFETY: as above.
+        unsafe { &*strong.cast::<Owner>() }.strong.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn entry(data: usize, ino: u64, owner: &Owner) -> RawEntry {
+        RawEntry {
+            data,
+            len: 64,
+            dev: 1,
+            ino,
+            token: [7; 16],
+            fd: -1,
+            copy: std::ptr::null(),
+            owner: std::ptr::from_ref(owner).cast(),
+            retain: fake_retain,
+            release: fake_release,
+        }
+    }
+
+    #[test]
+    fn the_first_registered_mapping_wins_and_lookups_retain_it() {
+        let (a, b) =
+            (Owner { live: true.into(), strong: 0.into() }, Owner { live: true.into(), strong: 0.into() });
+        // Addresses and inodes no real segment has (tests share the list).
+        let ino = u64::MAX - 1;
+        // SAFETY: fake owners that outlive their entries (removed below).
+        assert!(unsafe { insert_or_find(&entry(0x1000, ino, &a)) }.is_none());
+        // A second mapping of the same segment finds the first, retained, and is not inserted.
+        // SAFETY: as above.
+        let won = unsafe { insert_or_find(&entry(0x9000, ino, &b)) }.expect("the first mapping");
+        assert_eq!((won.entry.data, a.strong.load(Ordering::SeqCst)), (0x1000, 1));
+        drop(won);
+        assert_eq!(a.strong.load(Ordering::SeqCst), 0);
+        assert!(find_addr(0x9000, 8).is_none(), "the loser was not registered");
+        let by_addr = find_addr(0x1000 + 60, 4).expect("inside the data");
+        assert!(find_addr(0x1000 + 60, 8).is_none(), "past the data");
+        let by_id = find_id(1, ino, [7; 16]).expect("registered");
+        assert_eq!(a.strong.load(Ordering::SeqCst), 2);
+        drop((by_addr, by_id));
+        // An owner being dropped is never revived: its entry is skipped, and another mapping of
+        // the segment may register meanwhile.
+        a.live.store(false, Ordering::SeqCst);
+        assert!(find_id(1, ino, [7; 16]).is_none());
+        // SAFETY: as above.
+        assert!(unsafe { insert_or_find(&entry(0x9000, ino, &b)) }.is_none());
+        remove(0x1000);
+        assert_eq!(find_id(1, ino, [7; 16]).map(|r| r.entry.data), Some(0x9000));
+        remove(0x9000);
+        assert!(find_id(1, ino, [7; 16]).is_none());
+        assert_eq!(b.strong.load(Ordering::SeqCst), 0);
+    }
 }
