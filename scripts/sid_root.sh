@@ -76,6 +76,9 @@ bind() { # bind SRC [ro]: SRC at the same path inside the root
   local src=$1 dst="$root_dir$1"
   mkdir -p "$dst"
   mount --bind "$src" "$dst"
+  # Private: where the host's mounts are shared (systemd's default), a mount made beneath the
+  # bind (the tmpfs on dev/shm) would otherwise appear over the host's own directory too.
+  mount --make-private "$dst"
   [[ "${2:-}" == ro ]] && mount -o remount,bind,ro "$dst"
   return 0
 }
@@ -84,12 +87,11 @@ run() {
   setup
   copy_host_config "$root_dir"
   trap 'umount_all "$root_dir"' EXIT
-  trap 'exit 130' INT TERM
   umount_all "$root_dir" # a run killed before its trap could run left them
   mount -t proc proc "$root_dir/proc"
-  mount --bind /dev "$root_dir/dev"
+  bind /dev
   mount -t tmpfs -o mode=1777 tmpfs "$root_dir/dev/shm"
-  [[ -d /dev/pts ]] && mount --bind /dev/pts "$root_dir/dev/pts"
+  [[ -d /dev/pts ]] && bind /dev/pts
   local rustup=${RUSTUP_HOME:-$HOME/.rustup} cargo=${CARGO_HOME:-$HOME/.cargo} d
   bind "$rustup" ro
   bind "$cargo" ro
@@ -107,10 +109,15 @@ run() {
   while IFS='=' read -r v _; do
     case "$v" in PIP_* | RUSTUP_TOOLCHAIN | RUSTUP_AUTO_INSTALL | MATRIX* | CARGO_TERM_* | PYTHONWARNINGS) envs+=("$v=${!v}") ;; esac
   done < <(env)
-  set +e
-  chroot "$root_dir" /usr/bin/env -i "${envs[@]}" DLBRIDGE_IN_SID_ROOT=1 "$@"
-  local rc=$?
-  set -e
+  # In the background, in a process group of its own, and waited for: an interrupt or a TERM to
+  # this script is passed to every process of the command, and the mounts go at once (bash runs
+  # traps only between commands).
+  setsid chroot "$root_dir" /usr/bin/env -i "${envs[@]}" DLBRIDGE_IN_SID_ROOT=1 "$@" <&0 &
+  child=$!
+  trap 'kill -INT -- "-$child" 2>/dev/null; exit 130' INT
+  trap 'kill -TERM -- "-$child" 2>/dev/null; exit 143' TERM
+  local rc=0
+  wait "$child" || rc=$?
   return $rc
 }
 
