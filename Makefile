@@ -102,9 +102,11 @@ py-test: develop ## the Python tests (shipped suite, examples, README and guide,
 	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes,tvm_ffi \
 	  $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge
 
-# The shipped suite on CPython 3.10, 3.12 and 3.13 too (one virtualenv each, .venv-3.X; 3.11 is
-# .venv above): every supported interpreter the machine has is built and tested.
-matrix: $(STAMP) ## the shipped suite on CPython 3.10, 3.12, 3.13
+# The shipped suite on CPython 3.10, 3.12, 3.13, 3.14 and 3.15 too (one virtualenv each, .venv-3.X;
+# 3.11 is .venv above). 3.14 and 3.15 come from Debian unstable, in a root scripts/sid_root.sh
+# makes once outside the clone (DLBRIDGE_SID_ROOT, default /var/cache/dlbridge-sid; needs root)
+# and mounts only while the matrix runs in it.
+matrix: $(STAMP) ## the shipped suite on CPython 3.10, 3.12, 3.13, 3.14, 3.15
 	bash scripts/matrix.sh
 
 # The .pyi stubs must match the compiled module.

@@ -23,6 +23,15 @@ def _dynamo_before_tensorflow():
 
 def pytest_configure(config):
     _dynamo_before_tensorflow()
+    # Every warning attributed to dlbridge's own modules (the package and this suite: a library's
+    # deprecation reached through dlbridge's calls, or one dlbridge raises from Rust on behalf of
+    # its caller here) fails the test that caused it, on every interpreter of the matrix. The
+    # suite runs from outside the tree (`--pyargs dlbridge`), so no ini file would apply: the
+    # filter is added here. Tests that expect a warning catch it with pytest.warns.
+    config.addinivalue_line("filterwarnings", r"error:::dlbridge(\.|$)")
+    # fork() in a process that has other threads (CPython 3.12 on warns, from multiprocessing's
+    # module): only test_processes' fork cases do it, and they expect it (see `starting` there).
+    config.addinivalue_line("filterwarnings", r"error:This process .* is multi-threaded, use of fork\(\):DeprecationWarning")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where none is present")
     config.addinivalue_line(
         "markers", "processes: starts child processes (each waited for with a bound, then reaped)"

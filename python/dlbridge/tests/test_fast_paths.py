@@ -409,7 +409,9 @@ def test_a_view_keeps_its_shape_when_python_reshapes_the_source_during_the_call(
     a = np.arange(6.0)
 
     def reshape():
-        a.shape = (2, 3)  # numpy frees the old dimensions array
+        # In place, numpy reallocating the dimensions array (the same bytes, so the data stays;
+        # `a.shape = ...` does the same but is deprecated from numpy 2.5).
+        a.resize((2, 3))
 
     seen = _dlbridge._view_then(a, reshape)
     assert seen == (a.ctypes.data, [6], [1], "float64", False)

@@ -10,6 +10,7 @@ is bounded (a hung worker fails the test instead of hanging the suite).
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 
@@ -35,7 +36,14 @@ def ray():
     # Ray's own temp dir is /tmp/ray, which shadows the library as a namespace package for any
     # Python started in /tmp without Ray installed: keep the session's files in a dir of our own.
     tmp = tempfile.mkdtemp(prefix="dlbridge-ray-")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+    for w in seen:
+        # jax, once imported (by earlier tests), warns on every fork, and Ray starts its processes
+        # with subprocess (a fork, then exec): that is the only warning starting Ray may give.
+        assert issubclass(w.category, RuntimeWarning) and "JAX is multithreaded" in str(w.message), w
+        assert "jax" in sys.modules, w
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
