@@ -66,8 +66,15 @@ impl<T: Sync + 'static> Shared<T> {
 unsafe fn first_loaded<T: 'static>(symbol: &CStr, usable: fn(*const T) -> bool) -> Option<&'static T> {
     use std::ffi::{CString, c_int, c_void};
 
-    // Collect the names first: dlopen must not run inside dl_iterate_phdr's callback (the loader's
-    // lock is held there).
+    /// One loaded object: its name (`None`: the main program) and the address ranges of its
+    /// loaded segments.
+    struct Object {
+        name: Option<CString>,
+        ranges: Vec<(usize, usize)>,
+    }
+
+    // Collect the objects first: dlopen must not run inside dl_iterate_phdr's callback (the
+    // loader's lock is held there).
     unsafe extern "C" fn collect(
         info: *mut libc::dl_phdr_info,
         _size: libc::size_t,
@@ -75,7 +82,7 @@ unsafe fn first_loaded<T: 'static>(symbol: &CStr, usable: fn(*const T) -> bool) 
     ) -> c_int {
         // SAFETY: `data` is the Vec passed below, for the duration of the walk; `info` is the
         // loader's description of one object, valid during the callback.
-        let (names, info) = unsafe { (&mut *data.cast::<Vec<Option<CString>>>(), &*info) };
+        let (objects, info) = unsafe { (&mut *data.cast::<Vec<Object>>(), &*info) };
         let name = if info.dlpi_name.is_null() {
             None
         } else {
@@ -83,15 +90,29 @@ unsafe fn first_loaded<T: 'static>(symbol: &CStr, usable: fn(*const T) -> bool) 
             let n = unsafe { CStr::from_ptr(info.dlpi_name) };
             if n.is_empty() { None } else { Some(n.to_owned()) }
         };
-        names.push(name);
+        let headers = if info.dlpi_phdr.is_null() {
+            &[][..]
+        } else {
+            // SAFETY: the loader's `dlpi_phnum` program headers of this object.
+            unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) }
+        };
+        let ranges = headers
+            .iter()
+            .filter(|h| h.p_type == libc::PT_LOAD)
+            .map(|h| {
+                let lo = (info.dlpi_addr as usize).wrapping_add(h.p_vaddr as usize);
+                (lo, lo.wrapping_add(h.p_memsz as usize))
+            })
+            .collect();
+        objects.push(Object { name, ranges });
         0
     }
-    let mut names: Vec<Option<CString>> = Vec::new();
+    let mut objects: Vec<Object> = Vec::new();
     // SAFETY: a callback of the right type and a pointer to a live Vec only it uses.
-    unsafe { libc::dl_iterate_phdr(Some(collect), std::ptr::from_mut(&mut names).cast()) };
+    unsafe { libc::dl_iterate_phdr(Some(collect), std::ptr::from_mut(&mut objects).cast()) };
 
-    names.iter().find_map(|name| {
-        let path = name.as_ref().map_or(std::ptr::null(), |n| n.as_ptr());
+    objects.iter().find_map(|object| {
+        let path = object.name.as_ref().map_or(std::ptr::null(), |n| n.as_ptr());
         // SAFETY: RTLD_NOLOAD only finds an object already loaded (NULL: the main program); the
         // handle is closed below, which only drops the reference this call added.
         let handle = unsafe { libc::dlopen(path, libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
@@ -103,8 +124,16 @@ unsafe fn first_loaded<T: 'static>(symbol: &CStr, usable: fn(*const T) -> bool) 
         // SAFETY: the handle from dlopen above. The object stays loaded (it was loaded before this
         // call, and extension modules are never unloaded), so the symbol stays valid.
         unsafe { libc::dlclose(handle) };
+        // Only the object's own definition counts: dlsym on the main program's handle searches
+        // the whole global scope (a copy loaded later with RTLD_GLOBAL answered there first, and
+        // copies that looked at different times found different tables), and on a library's
+        // handle its dependencies too. Each copy is asked in its own turn, in load order.
+        let at = sym as usize;
+        if sym.is_null() || !object.ranges.iter().any(|&(lo, hi)| lo <= at && at < hi) {
+            return None;
+        }
         let t = sym.cast::<T>().cast_const();
-        if t.is_null() || !usable(t) {
+        if !usable(t) {
             return None;
         }
         // SAFETY: the caller's promise: a process-lifetime `T` once `usable` accepted it.
