@@ -422,6 +422,13 @@ pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResul
 /// 10 s has been opened by a receiver (private: run at exit, see [`register_exit_wait`]).
 #[pyfunction]
 fn _wait_for_pins(py: Python<'_>) {
+    // Once per process however many hooks call it: a child made by `os.fork` inherits its
+    // parent's atexit hook and registers its own (its pid differs), and waited 2 s twice (review).
+    static WAITED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let me = std::process::id();
+    if WAITED.swap(me, std::sync::atomic::Ordering::Relaxed) == me {
+        return;
+    }
     py.detach(|| crate::shm::wait_for_recent_pins(Duration::from_secs(10), Duration::from_secs(2)));
 }
 
