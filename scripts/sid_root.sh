@@ -112,7 +112,7 @@ run() {
   # In the background, in a process group of its own, and waited for: an interrupt or a TERM to
   # this script is passed to every process of the command, and the mounts go at once (bash runs
   # traps only between commands).
-  setsid chroot "$root_dir" /usr/bin/env -i "${envs[@]}" DLBRIDGE_IN_SID_ROOT=1 "$@" <&0 &
+  setsid chroot "$root_dir" /usr/bin/env -i "${envs[@]}" DLBRIDGE_IN_SID_ROOT=1 "$@" <&0 9>&- &
   child=$!
   trap 'kill -INT -- "-$child" 2>/dev/null; exit 130' INT
   trap 'kill -TERM -- "-$child" 2>/dev/null; exit 143' TERM

