@@ -418,18 +418,27 @@ pub(crate) fn reduce_ex<'py>(slf: &Bound<'py, Tensor>, protocol: i32) -> PyResul
     }
 }
 
-/// Waits (GIL released), at most 2 s, until every shared tensor this process pickled in the last
-/// 10 s has been opened by a receiver (private: run at exit, see [`register_exit_wait`]).
+/// Waits (GIL released) until every shared tensor this process pickled in the last 10 s has been
+/// opened by a receiver, at most until 2 s after this process's first call (private: run at exit,
+/// see [`register_exit_wait`]).
 #[pyfunction]
 fn _wait_for_pins(py: Python<'_>) {
-    // Once per process however many hooks call it: a child made by `os.fork` inherits its
-    // parent's atexit hook and registers its own (its pid differs), and waited 2 s twice (review).
-    static WAITED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    // One 2 s budget per process however many hooks call it (a child of `os.fork` inherits its
+    // parent's atexit hook and registers its own: it waited 4 s, review), yet every call still
+    // waits for what is pending then: from CPython 3.13 a multiprocessing child runs the atexit
+    // hook before the finalizers that flush a queue's feeder thread, so the first call may find
+    // no pin yet, and the finalizer's call is the one that must wait (CI, 3.13).
+    static FIRST: std::sync::Mutex<Option<(u32, std::time::Instant)>> = std::sync::Mutex::new(None);
     let me = std::process::id();
-    if WAITED.swap(me, std::sync::atomic::Ordering::Relaxed) == me {
-        return;
-    }
-    py.detach(|| crate::shm::wait_for_recent_pins(Duration::from_secs(10), Duration::from_secs(2)));
+    let first = {
+        let mut g = FIRST.lock().unwrap_or_else(|e| e.into_inner());
+        match *g {
+            Some((pid, at)) if pid == me => at,
+            _ => g.insert((me, std::time::Instant::now())).1,
+        }
+    };
+    let left = Duration::from_secs(2).saturating_sub(first.elapsed());
+    py.detach(|| crate::shm::wait_for_recent_pins(Duration::from_secs(10), left));
 }
 
 /// Makes this process wait for its recent pins before it exits (once per process, when it first
