@@ -864,17 +864,28 @@ impl Segment {
                     break t;
                 }
             };
-            for slot in 0..PIN_SLOTS {
-                let word = self.pin_word(slot);
-                if word
-                    .compare_exchange(0, (u64::from(tag) << 32) | 1, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    p.list.push(Pinned { seg: Arc::clone(self), slot, tag, since: Instant::now() });
-                    ensure_sweeper(&mut p);
-                    out = Some(Pin { slot: slot as u8, tag });
-                    break;
-                }
+            // A free slot, else one whose count receivers brought to 0 but whose process never
+            // freed it (it exited or was killed between the claim and its sweep): every count it
+            // gave out was claimed, so nothing waits on it, and its owner, if alive, finds its tag
+            // gone and drops its pin (as after any claim). A slot with counts left is never taken.
+            let new = (u64::from(tag) << 32) | 1;
+            let taken = (0..PIN_SLOTS)
+                .find(|&slot| {
+                    self.pin_word(slot).compare_exchange(0, new, Ordering::AcqRel, Ordering::Acquire).is_ok()
+                })
+                .or_else(|| {
+                    (0..PIN_SLOTS).find(|&slot| {
+                        let word = self.pin_word(slot);
+                        let v = word.load(Ordering::Acquire);
+                        v as u32 == 0
+                            && v != 0
+                            && word.compare_exchange(v, new, Ordering::AcqRel, Ordering::Acquire).is_ok()
+                    })
+                });
+            if let Some(slot) = taken {
+                p.list.push(Pinned { seg: Arc::clone(self), slot, tag, since: Instant::now() });
+                ensure_sweeper(&mut p);
+                out = Some(Pin { slot: slot as u8, tag });
             }
         }
         drop(p);
@@ -1184,6 +1195,31 @@ mod tests {
         drop(Segment::open(&h).unwrap());
         sweep_pins();
         assert!(w.upgrade().is_none(), "both pins claimed: freed");
+    }
+
+    /// Slots other processes left claimed but never freed (they exited between a receiver's claim
+    /// and their sweep) are taken again once every slot is used; slots with counts left are not.
+    /// Before, 28 such slots made every later pickle of the segment unpinned (review).
+    #[test]
+    fn claimed_slots_of_gone_processes_are_reused() {
+        let s = Segment::create(64).unwrap();
+        // Every slot: another process's pin, claimed (count 0) but never freed.
+        for slot in 0..PIN_SLOTS {
+            s.pin_word(slot).store((0xdead_0000_u64 + slot as u64) << 32, Ordering::Release);
+        }
+        let p = s.pin().expect("a claimed slot is reused");
+        assert_eq!(s.pin_word(usize::from(p.slot)).load(Ordering::Acquire), (u64::from(p.tag) << 32) | 1);
+        let h = Handle { pin: Some(p), ..s.handle() };
+        drop(Segment::open(&h).unwrap());
+        sweep_pins();
+        // Every slot: an unclaimed pin of another process (a pickle not loaded yet): none is taken.
+        for slot in 0..PIN_SLOTS {
+            s.pin_word(slot).store(((0xbeef_0000_u64 + slot as u64) << 32) | 1, Ordering::Release);
+        }
+        assert_eq!(s.pin(), None, "a slot with counts left is never taken");
+        for slot in 0..PIN_SLOTS {
+            assert_eq!(s.pin_word(slot).load(Ordering::Acquire) as u32, 1);
+        }
     }
 
     /// The descriptor a handle names is swapped between a dlbridge memfd and a FIFO, as fast as
