@@ -99,28 +99,44 @@ def test_torch_table_failures_are_torchs_buffer_errors(layout) -> None:
 
 @hooks
 def test_tensors_that_require_grad_follow_each_paths_rule() -> None:
-    # Owned imports follow torch's __dlpack__ (refused: "use tensor.detach()"); a borrowed view is a
-    # kernel argument, and kernel ABIs take it (tvm-ffi through torch's exchange table, nanobind
-    # through torch.utils.dlpack.to_dlpack): reading harms nothing, while an in-place write into a
-    # leaf that requires grad is what torch itself refuses, outside torch.no_grad().
+    # Owned imports follow torch's __dlpack__ (refused: "use tensor.detach()"). A borrowed view is
+    # what a plain #[pyfunction] reads, and such a function is invisible to autograd: while grad mode
+    # is on, a tensor that requires grad is refused (before, the view was taken and the function's
+    # result silently carried no gradient back: review). Under torch.no_grad(), in inference mode
+    # and inside an op's body (how kernels run on such tensors) grad mode is off and the view is
+    # taken; an in-place write into a leaf is then allowed, as torch allows x.add_(1) there.
     torch = need("torch")
     x = torch.ones(3, dtype=torch.float64, requires_grad=True)
     for f in (dlbridge.from_dlpack, dlbridge.asdlpack):
         with pytest.raises(BufferError, match="detach"):
             f(x)
-    ptr, shape, _strides, dtype, _ro = dlbridge._dlbridge._view(x)
-    assert (ptr, shape, dtype) == (x.data_ptr(), [3], "float64")
-    with pytest.raises(TypeError, match="requires_grad: a leaf tensor that requires grad"):
-        dlbridge._dlbridge._view_add(x, 1.0)
+    for f in (dlbridge._dlbridge._view, lambda t: dlbridge._dlbridge._view_add(t, 1.0)):
+        with pytest.raises(BufferError, match="requires_grad: this tensor requires grad and grad mode is on"):
+            f(x)
+        with pytest.raises(BufferError, match="invisible to autograd"):
+            f(x * 1)  # a non-leaf too: a write there would be hidden from autograd as well
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-        x.add_(1.0)  # torch's own rule, for comparison
+        x.add_(1.0)  # torch's own rule on in-place writes, for comparison
     assert x.grad is None and x.tolist() == [1.0, 1.0, 1.0]
+    ptr, shape, _strides, dtype, _ro = dlbridge._dlbridge._view(x.detach())
+    assert (ptr, shape, dtype) == (x.data_ptr(), [3], "float64")
     with torch.no_grad():
+        ptr, shape, _strides, dtype, _ro = dlbridge._dlbridge._view(x)
+        assert (ptr, shape, dtype) == (x.data_ptr(), [3], "float64")
         dlbridge._dlbridge._view_add(x, 1.0)  # allowed, as torch allows x.add_(1) here
     assert x.tolist() == [2.0, 2.0, 2.0]
-    y = x * 1  # not a leaf: torch allows in-place writes, so does a view
-    dlbridge._dlbridge._view_add(y, 1.0)
-    assert y.tolist() == [3.0, 3.0, 3.0] and x.tolist() == [2.0, 2.0, 2.0]
+    with torch.inference_mode():
+        assert dlbridge._dlbridge._view(x)[0] == x.data_ptr()
+    # Inside an op's body grad mode is off: a custom op reading the tensor takes the view.
+    seen = []
+
+    @torch.library.custom_op("dlbridge_test::view_in_op", mutates_args=(), schema="(Tensor t) -> Tensor")
+    def view_in_op(t):
+        seen.append(dlbridge._dlbridge._view(t)[0])
+        return t.clone()
+
+    view_in_op(x)
+    assert seen == [x.data_ptr()]
 
 
 @hooks
@@ -128,14 +144,17 @@ def test_a_typed_mutable_argument_follows_torchs_in_place_rule() -> None:
     torch = need("torch")
     probe = dlbridge._dlbridge._typed_mut_probe
     w = torch.ones(3, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(TypeError, match="requires_grad: a leaf tensor that requires grad") as e:
+    with pytest.raises(BufferError, match="requires_grad: this tensor requires grad and grad mode is on") as e:
         probe(w)
     assert "_x" in str(e.value) or any("_x" in n for n in getattr(e.value, "__notes__", [])), e.value
     v = w._version
     with torch.no_grad():
         probe(w)  # allowed, and the write is announced to autograd
     assert w._version == v + 1
-    probe(w * 2)  # a non-leaf may be written, as torch's in-place operations may
+    # A non-leaf too: torch's own in-place operations record themselves in the graph, a plain
+    # function's write would not (the gradient through it would silently be wrong).
+    with pytest.raises(BufferError, match="invisible to autograd"):
+        probe(w * 2)
     probe(torch.ones(3, dtype=torch.float64))
 
 

@@ -230,6 +230,43 @@ impl TorchState {
         Ok(r.as_ptr() == unsafe { ffi::Py_True() })
     }
 
+    /// A borrowed view of a tensor that requires grad, taken while grad mode is on, is refused: the
+    /// function reading it is invisible to autograd, so whatever it returns would carry no
+    /// gradient back to the tensor, and a model training through it would silently not learn
+    /// (torch's own `__dlpack__` and `.numpy()` refuse such a tensor outright). Inside an op's or
+    /// an `autograd.Function`'s body (how dlbridge's kernels run on such tensors) and under
+    /// `torch.no_grad()` grad mode is off, and in inference mode autograd records nothing: there
+    /// the view is taken.
+    ///
+    /// For exactly `torch.Tensor`, grad mode is read through c10 (a few instructions; the
+    /// `requires_grad` getter runs only while grad mode is on). Call it before the table's
+    /// description: the getter may run Python (a subclass, a torch function mode).
+    pub(crate) fn refuse_untracked_read(&self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = obj.py();
+        let bits = super::torch_bits::aten_bits(py);
+        if bits.and_then(|b| b.grad_enabled()) == Some(false) || !self.requires_grad(obj)? {
+            return Ok(());
+        }
+        let enabled = match bits.and_then(|b| b.grad_enabled()) {
+            Some(on) => on,
+            None => grad_enabled_py(py)?,
+        };
+        // Inside inference mode autograd records nothing, even under enable_grad.
+        let inference_mode = match bits.and_then(|b| b.inference_mode()) {
+            Some(on) => on,
+            None => py.import("torch")?.call_method0("is_inference_mode_enabled")?.is_truthy()?,
+        };
+        if !enabled || inference_mode {
+            return Ok(());
+        }
+        Err(PyBufferError::new_err(
+            "requires_grad: this tensor requires grad and grad mode is on, but a plain function is \
+             invisible to autograd: its result would carry no gradient back to this tensor (torch's \
+             own __dlpack__ refuses it too). Make the function a dlbridge kernel with a backward \
+             (dlbridge::python::kernels), or pass tensor.detach(), or call it under torch.no_grad()",
+        ))
+    }
+
     /// What torch refuses of an in-place write, refused of a kernel's mutable access too:
     /// - writing into a tensor without a version counter (an inference tensor, or one holding one
     ///   as its `.data`) outside inference mode ("Inplace update to inference tensor outside
@@ -287,11 +324,7 @@ impl TorchState {
         if inference_mode.unwrap_or(false) {
             return Ok(());
         }
-        static GRAD_ENABLED: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
-        let enabled = GRAD_ENABLED
-            .get_or_try_init(py, || py.import("torch")?.getattr("is_grad_enabled").map(Bound::unbind))
-            .and_then(|f| f.bind(py).call0()?.is_truthy());
-        match enabled {
+        match grad_enabled_py(py) {
             Ok(false) => Ok(()),
             Ok(true) => Err(refused(format!(
                 "{why} cannot be written in place (torch refuses it too); write under torch.no_grad(), \
@@ -723,6 +756,14 @@ unsafe extern "C" fn collect_error(
     if let Some(slot) = unsafe { ctx.cast::<Option<(String, String)>>().as_mut() } {
         *slot = Some((kind, message));
     }
+}
+
+/// `torch.is_grad_enabled()`, called through Python (where c10's reader was not verified).
+fn grad_enabled_py(py: Python<'_>) -> PyResult<bool> {
+    static GRAD_ENABLED: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    GRAD_ENABLED
+        .get_or_try_init(py, || py.import("torch")?.getattr("is_grad_enabled").map(Bound::unbind))
+        .and_then(|f| f.bind(py).call0()?.is_truthy())
 }
 
 /// torch's `__dlpack__` refuses a tensor that requires grad ("use tensor.detach()"); its table

@@ -293,7 +293,9 @@ fn extract_checked<'a>(
 fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec) -> PyResult<TensorView<'a>> {
     let torch = super::cache::type_info(&obj.get_type())?.torch;
     if let Some(state) = torch {
-        // What torch refuses of an in-place write is refused here, at conversion (the argument named).
+        // A tensor autograd would lose track of, then what torch refuses of an in-place write, are
+        // refused here, at conversion (the argument named).
+        state.refuse_untracked_read(&obj)?;
         state.refuse_write(&obj)?;
     }
     // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.

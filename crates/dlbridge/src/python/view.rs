@@ -412,6 +412,9 @@ impl<'a> TensorView<'a> {
             }
         }
         if let Some(api) = info.exchange {
+            if let Some(state) = api.torch_state() {
+                state.refuse_untracked_read(obj)?;
+            }
             // The borrowed DLTensor cannot say read-only; dlbridge's own table refuses read-only
             // tensors there, and any refusal falls through to the owned import, which carries the
             // producer's flags (and its error, if it refuses too).
