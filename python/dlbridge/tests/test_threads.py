@@ -142,7 +142,10 @@ for i in range(FORKS):
         dlbridge.asdlpack(b"x")
         dlbridge._dlbridge._view_add(np.zeros(2), 1.0)
         os._exit(0)
-    deadline = time.monotonic() + 2  # a healthy child takes milliseconds
+    # A healthy child takes milliseconds; a deadlocked one never ends. 20 s, not 2: in the matrix's
+    # CPython 3.15 run, while builds loaded the machine, one child of 200 ran past 2 s (2,000 forks
+    # on 3.15 afterwards, the machine less loaded: none did).
+    deadline = time.monotonic() + 20
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
