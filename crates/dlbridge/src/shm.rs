@@ -294,8 +294,8 @@ fn registry_insert_own(map: Mapping, file: File, data_len: usize, id: SegmentId)
 // Pickling a shared tensor pins its segment in the pickling process (an `Arc` in `PINS`) and
 // counts the pin in a word of the segment's header that this process owns (`tag << 32 | count`);
 // a receiver that opens the handle decrements the count (compare-and-swap on its tag), and the
-// sender drops its pin once the count is 0 (a sweeper thread, which exits when no pin is left,
-// and every pin/open call). Other processes only ever decrement a count that matches the tag the
+// sender drops its pin once the count is 0 (a sweeper thread, which exits when no pin is left
+// or none was made for `SWEEPER_IDLE`, and every pin/open call). Other processes only ever decrement a count that matches the tag the
 // handle carries, so a stray handle cannot release another process's pins.
 
 /// One pinned segment: the `Arc` that keeps it, its header slot and our tag there.
@@ -390,6 +390,12 @@ pub fn wait_for_recent_pins(recent: Duration, max: Duration) {
     }
 }
 
+/// How long the sweeper thread keeps running after the last pin was made: pins older than that
+/// (a pickle nobody has loaded yet) are released by the next pin, open or exit wait instead, so
+/// one unloaded pickle does not keep a thread in the process for good (a thread that makes every
+/// later `fork()` a fork of a multi-threaded process, which CPython 3.12+ warns about).
+const SWEEPER_IDLE: Duration = if cfg!(test) { Duration::from_millis(300) } else { Duration::from_secs(10) };
+
 /// Starts the sweeper thread of this process if none runs (called with the pins locked).
 fn ensure_sweeper(p: &mut Pins) {
     if p.sweeper {
@@ -402,7 +408,7 @@ fn ensure_sweeper(p: &mut Pins) {
             let (released, empty) = {
                 let mut p = pins();
                 let released = take_claimed(&mut p);
-                let empty = p.list.is_empty();
+                let empty = p.list.iter().all(|e| e.since.elapsed() >= SWEEPER_IDLE);
                 if empty {
                     p.sweeper = false;
                 }
@@ -1195,6 +1201,30 @@ mod tests {
         drop(Segment::open(&h).unwrap());
         sweep_pins();
         assert!(w.upgrade().is_none(), "both pins claimed: freed");
+    }
+
+    /// The sweeper thread ends once no pin is recent, though a pin nobody claimed remains (before,
+    /// one unloaded pickle kept the thread, and so a multi-threaded process, until exit); a
+    /// later claim of that pin is swept by the next pin.
+    #[test]
+    fn the_sweeper_ends_when_no_pin_is_recent() {
+        let s = Segment::create(64).unwrap();
+        let w = Arc::downgrade(&s);
+        let p = s.pin().unwrap();
+        let h = Handle { pin: Some(p), ..s.handle() };
+        drop(s);
+        assert!(pins().sweeper);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while pins().sweeper && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!pins().sweeper, "the sweeper ended");
+        assert!(w.upgrade().is_some(), "the unclaimed pin still keeps the segment");
+        drop(Segment::open(&h).unwrap());
+        // The next pin (of any segment) sweeps the claimed one.
+        let other = Segment::create(64).unwrap();
+        let _ = other.pin();
+        assert!(w.upgrade().is_none(), "claimed: released by the next pin");
     }
 
     /// Slots other processes left claimed but never freed (they exited between a receiver's claim
