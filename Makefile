@@ -61,8 +61,12 @@ lint: $(STAMP) ## cargo fmt --check and clippy -D warnings
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
+# The torch_stable tests load the venv's libtorch (DLBRIDGE_TORCH_DIR, torch's package folder);
+# DLBRIDGE_REQUIRE_TORCH=1 makes its absence a failure, never a silent skip.
 rust-test: $(STAMP) ## every Rust test, all features
-	DLBRIDGE_REQUIRE_XLA_HEADERS=1 $(CARGO) test --workspace --all-features
+	DLBRIDGE_REQUIRE_XLA_HEADERS=1 DLBRIDGE_REQUIRE_TORCH=1 \
+	  DLBRIDGE_TORCH_DIR="$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
+	  $(CARGO) test --workspace --all-features
 
 # Miri (default Stacked Borrows) over the crate's core: every unit, integration and doc test of
 # everything that does not call into libpython (managed, export, view, layout, ndarray, dtype,

@@ -1,0 +1,564 @@
+//! The adapter: a kernel's XLA FFI handler (the body `jax.jit` runs, [`crate::xla_handler!`],
+//! `KernelDef.ffi`) run as a torch op's CPU kernel, so one body serves both.
+//!
+//! The handler's one view of typed buffers and attributes is [`crate::xla::Call`]. For torch,
+//! [`run_xla`] turns the boxed stack into the call frame XLA would have made: each tensor
+//! argument (made C-contiguous when it is not: XLA buffers are dense row-major) becomes an
+//! operand `XLA_FFI_Buffer`, each scalar argument an attribute of the type the handler reads
+//! ([`AttrType`]: a schema `float` passed as an `f32` scalar when the handler reads `f32`), and
+//! each result a buffer torch allocated (`aoti_torch_empty_strided`) from the op's output rule
+//! ([`OutRule`]). A tensor the op writes in place (`Tensor(a!)`) is both an operand and a result
+//! over the same memory, as XLA's `input_output_aliases` pass it (copied back when it was not
+//! contiguous). The handler then runs unchanged, with every check it makes under `jax.jit`, and
+//! its error becomes the op's `RuntimeError`. The frame's API table is dlbridge's own: it makes,
+//! reads and frees errors, and gives the CPU stream (NULL); nothing else is reachable.
+//!
+//! The Meta kernel ([`meta_kernel`]) is the same output rule on the meta device: fake tensors and
+//! `torch.compile` need no Python.
+
+use std::ffi::{CStr, CString, c_void};
+use std::ptr::null_mut;
+
+use super::kernel::{ArgKind, Args, KernelError, OpSignature, Outputs, Value, run_boxed};
+use super::library::Library;
+use super::sys::StableIValue;
+use super::{Error, Result, Tensor, Torch, TorchDevice};
+use crate::DataType;
+use crate::xla_ffi::*;
+
+/// The type an XLA handler reads an attribute as ([`crate::xla::Call::attr`]); the torch schema
+/// type follows (`float`, `int`, `bool`, `str`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttrType {
+    /// An `f32` scalar (schema `float`, rounded).
+    F32,
+    /// An `f64` scalar (schema `float`).
+    F64,
+    /// An `i32` scalar (schema `int`, range-checked).
+    I32,
+    /// An `i64` scalar (schema `int`).
+    I64,
+    /// A `bool` scalar.
+    Bool,
+    /// A string.
+    Str,
+}
+
+impl AttrType {
+    /// The type a `KernelDef.attrs` numpy name says (`"float32"`, `"float64"`, `"int32"`,
+    /// `"int64"`, `"bool"`, `"str"`), `None` for another.
+    pub fn from_numpy_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "float32" => Self::F32,
+            "float64" => Self::F64,
+            "int32" => Self::I32,
+            "int64" => Self::I64,
+            "bool" => Self::Bool,
+            "str" => Self::Str,
+            _ => return None,
+        })
+    }
+
+    /// The schema argument kind carrying it.
+    pub fn arg_kind(self) -> ArgKind {
+        match self {
+            Self::F32 | Self::F64 => ArgKind::Float,
+            Self::I32 | Self::I64 => ArgKind::Int,
+            Self::Bool => ArgKind::Bool,
+            Self::Str => ArgKind::Str,
+        }
+    }
+}
+
+/// The shape and element type of a tensor, as an output rule sees and makes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The element type.
+    pub dtype: DataType,
+    /// The extents.
+    pub shape: Vec<i64>,
+}
+
+/// How an op's fresh result is shaped (the same rule makes the CPU kernel's result buffer and
+/// the Meta kernel's output).
+#[derive(Debug, Clone, Copy)]
+pub enum OutRule {
+    /// Like tensor argument `i` of the signature (its shape and dtype): `KernelDef.out = Some("x")`.
+    Like(usize),
+    /// Computed from the tensor arguments (in order) and the op's arguments.
+    Fn(fn(&[TensorInfo], &Args) -> Result<Vec<TensorInfo>, KernelError>),
+}
+
+/// An op whose CPU kernel is an XLA FFI handler.
+///
+/// Operands are the signature's tensor arguments in order, attributes its scalar arguments by
+/// name, results the fresh outputs of `out` (the signature's `Tensor` results) followed by the
+/// `Tensor(a!)` arguments, aliased, in order.
+#[derive(Debug, Clone, Copy)]
+pub struct XlaOp {
+    /// The op's name, arguments and results.
+    pub signature: OpSignature,
+    /// The type the handler reads each scalar argument as (by name; every scalar argument once).
+    pub attrs: &'static [(&'static str, AttrType)],
+    /// The rule for the fresh results (`None`: the op only writes its `Tensor(a!)` arguments).
+    pub out: Option<OutRule>,
+    /// The handler.
+    pub handler: XLA_FFI_Handler,
+}
+
+impl XlaOp {
+    /// Checks that the parts agree: every scalar argument has its attribute type (of the same
+    /// schema kind), every result is a tensor the rule makes, and `Like` names a tensor argument.
+    pub fn validate(&self) -> Result<()> {
+        let sig = &self.signature;
+        let bad = |m: String| Err(Error::Invalid(format!("{}: {m}", sig.name())));
+        for &(name, kind) in sig.args() {
+            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+                continue;
+            }
+            match self.attrs.iter().find(|(n, _)| *n == name) {
+                Some(&(_, t)) if t.arg_kind() == kind => {}
+                Some(&(_, t)) => {
+                    return bad(format!("argument {name} is {kind:?} but its attribute type {t:?}"));
+                }
+                None => return bad(format!("argument {name} has no attribute type")),
+            }
+        }
+        if let Some((name, _)) = self.attrs.iter().find(|(n, _)| !sig.args().iter().any(|(a, _)| a == n)) {
+            return bad(format!("attribute {name} is not an argument"));
+        }
+        if sig.rets().iter().any(|&k| k != ArgKind::Tensor) {
+            return bad("results must be tensors".into());
+        }
+        match (self.out, sig.rets().len()) {
+            (None, 0) => {}
+            (None, n) => return bad(format!("{n} results but no output rule")),
+            (Some(OutRule::Like(i)), 1) => {
+                if !matches!(sig.args().get(i), Some((_, ArgKind::Tensor | ArgKind::TensorMut))) {
+                    return bad(format!("the output rule names argument {i}, not a tensor"));
+                }
+            }
+            (Some(OutRule::Like(_)), n) => {
+                return bad(format!("a Like rule makes 1 result, the signature has {n}"));
+            }
+            (Some(OutRule::Fn(_)), _) => {}
+        }
+        Ok(())
+    }
+}
+
+/// An [`XlaOp`] known at compile time: its kernels are [`cpu_kernel::<Self>`](cpu_kernel) and
+/// [`meta_kernel::<Self>`](meta_kernel) (a boxed kernel has no context pointer, so each op is
+/// its own function).
+pub trait NativeOp: 'static {
+    /// The op.
+    const OP: XlaOp;
+}
+
+/// The boxed CPU kernel of `O`: [`run_xla`].
+///
+/// # Safety
+///
+/// Torch's boxed-kernel contract for an op of schema `O::OP.signature.schema()` ([`run_boxed`]).
+pub unsafe extern "C-unwind" fn cpu_kernel<O: NativeOp>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { run_xla(&O::OP, stack, num_args, num_outputs) }
+}
+
+/// The boxed Meta kernel of `O`: its output rule on the meta device.
+///
+/// # Safety
+///
+/// As [`cpu_kernel`].
+pub unsafe extern "C-unwind" fn meta_kernel<O: NativeOp>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    let op = &O::OP;
+    // SAFETY: the caller's contract.
+    unsafe {
+        run_boxed(stack, num_args, num_outputs, &op.signature, |args, outs| {
+            let infos = tensor_infos(op, args)?;
+            for (i, info) in output_infos(op, &infos, args)?.into_iter().enumerate() {
+                let t = args_torch(args)?.empty(&info.shape, info.dtype, TorchDevice::META)?;
+                outs.set(i, Value::Tensor(t))?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Defines `O`'s op in namespace `ns` and registers its CPU and Meta kernels. The libraries are
+/// kept for the process.
+pub fn register<O: NativeOp>(torch: &'static Torch, ns: &str) -> Result<()> {
+    O::OP.validate()?;
+    let name = O::OP.signature.name();
+    Library::fragment(torch, ns)?.define(&O::OP.signature)?;
+    Library::implementation(torch, ns, "CPU")?.register(name, cpu_kernel::<O>)?;
+    Library::implementation(torch, ns, "Meta")?.register(name, meta_kernel::<O>)
+}
+
+fn args_torch(args: &Args) -> Result<&'static Torch, KernelError> {
+    let _ = args;
+    Torch::get().ok_or_else(|| KernelError("torch is not loaded".into()))
+}
+
+/// The tensor arguments' shapes and dtypes, in order.
+fn tensor_infos(op: &XlaOp, args: &Args) -> Result<Vec<TensorInfo>, KernelError> {
+    let mut v = Vec::new();
+    for (i, &(_, kind)) in op.signature.args().iter().enumerate() {
+        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            let t = args.tensor(i)?;
+            v.push(TensorInfo { dtype: t.dtype()?, shape: t.sizes()? });
+        }
+    }
+    Ok(v)
+}
+
+fn output_infos(op: &XlaOp, infos: &[TensorInfo], args: &Args) -> Result<Vec<TensorInfo>, KernelError> {
+    match op.out {
+        None => Ok(Vec::new()),
+        Some(OutRule::Like(i)) => {
+            // Argument i is a tensor (validate): its place among the tensors.
+            let k = op.signature.args()[..i]
+                .iter()
+                .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
+                .count();
+            Ok(vec![infos[k].clone()])
+        }
+        Some(OutRule::Fn(f)) => {
+            let v = f(infos, args)?;
+            if v.len() != op.signature.rets().len() {
+                return Err(KernelError(format!(
+                    "the output rule made {} results, the op returns {}",
+                    v.len(),
+                    op.signature.rets().len()
+                )));
+            }
+            Ok(v)
+        }
+    }
+}
+
+/// The XLA element type of `dtype` (`None`: XLA has none dlbridge maps).
+fn xla_dtype(dtype: DataType) -> Option<XLA_FFI_DataType> {
+    Some(match dtype {
+        DataType::BOOL => XLA_FFI_DataType::PRED,
+        DataType::INT8 => XLA_FFI_DataType::S8,
+        DataType::INT16 => XLA_FFI_DataType::S16,
+        DataType::INT32 => XLA_FFI_DataType::S32,
+        DataType::INT64 => XLA_FFI_DataType::S64,
+        DataType::UINT8 => XLA_FFI_DataType::U8,
+        DataType::UINT16 => XLA_FFI_DataType::U16,
+        DataType::UINT32 => XLA_FFI_DataType::U32,
+        DataType::UINT64 => XLA_FFI_DataType::U64,
+        DataType::FLOAT16 => XLA_FFI_DataType::F16,
+        DataType::FLOAT32 => XLA_FFI_DataType::F32,
+        DataType::FLOAT64 => XLA_FFI_DataType::F64,
+        DataType::BFLOAT16 => XLA_FFI_DataType::BF16,
+        DataType::COMPLEX64 => XLA_FFI_DataType::C64,
+        DataType::COMPLEX128 => XLA_FFI_DataType::C128,
+        _ => return None,
+    })
+}
+
+/// One buffer of the frame: the contiguous tensor it views and, for an in-place argument that
+/// was not contiguous, the argument to copy back into.
+struct Slot {
+    tensor: Tensor,
+    copy_back_into: Option<usize>,
+}
+
+/// Runs `op.handler` over torch's boxed stack (see [the module](self)).
+///
+/// # Safety
+///
+/// Torch's boxed-kernel contract for an op of schema `op.signature.schema()` ([`run_boxed`]).
+pub unsafe fn run_xla(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        run_boxed(stack, num_args, num_outputs, &op.signature, |args, outs| call_handler(op, args, outs))
+    }
+}
+
+fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
+    let torch = args_torch(args)?;
+    let sig = &op.signature;
+    // Operands: every tensor argument, C-contiguous on the CPU.
+    let mut operands: Vec<Slot> = Vec::new();
+    let mut aliased: Vec<usize> = Vec::new(); // operand index of each Tensor(a!) argument
+    for (i, &(name, kind)) in sig.args().iter().enumerate() {
+        if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            continue;
+        }
+        let t = args.tensor(i)?;
+        if t.device()?.kind != super::DeviceKind::Cpu {
+            return Err(KernelError(format!(
+                "{name}: a {:?} tensor (this kernel runs on the CPU)",
+                t.device()?
+            )));
+        }
+        let contiguous = t.is_contiguous()?;
+        let tensor = if contiguous { t.new_handle()? } else { torch.contiguous(t)? };
+        if kind == ArgKind::TensorMut {
+            aliased.push(operands.len());
+        }
+        let copy_back_into = (kind == ArgKind::TensorMut && !contiguous).then_some(i);
+        operands.push(Slot { tensor, copy_back_into });
+    }
+    // Fresh results from the output rule.
+    let infos: Vec<TensorInfo> = operands
+        .iter()
+        .map(|s| Ok(TensorInfo { dtype: s.tensor.dtype()?, shape: s.tensor.sizes()? }))
+        .collect::<Result<_, Error>>()?;
+    let fresh: Vec<Tensor> = output_infos(op, &infos, args)?
+        .iter()
+        .map(|o| torch.empty(&o.shape, o.dtype, TorchDevice::CPU))
+        .collect::<Result<_, Error>>()?;
+    // The frame's buffers: operands, then fresh results, then the aliased operands again.
+    let buffer_of = |t: &Tensor, what: &str| -> Result<XLA_FFI_Buffer, KernelError> {
+        let dtype = t.dtype()?;
+        let x = xla_dtype(dtype)
+            .ok_or_else(|| KernelError(format!("{what}: {dtype} has no XLA element type")))?;
+        // SAFETY: the tensor is owned here and nothing changes its metadata during the call.
+        let dims = unsafe { t.sizes_borrowed() }?;
+        Ok(XLA_FFI_Buffer {
+            struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
+            extension_start: null_mut(),
+            dtype: x,
+            data: t.data_ptr()?,
+            rank: dims.len() as i64,
+            dims: dims.as_ptr().cast_mut(),
+        })
+    };
+    let tensor_names: Vec<&str> = sig
+        .args()
+        .iter()
+        .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
+        .map(|(n, _)| *n)
+        .collect();
+    let mut arg_bufs = Vec::with_capacity(operands.len());
+    for (s, name) in operands.iter().zip(&tensor_names) {
+        arg_bufs.push(buffer_of(&s.tensor, name)?);
+    }
+    let mut ret_bufs = Vec::with_capacity(fresh.len() + aliased.len());
+    for t in &fresh {
+        ret_bufs.push(buffer_of(t, "result")?);
+    }
+    for &k in &aliased {
+        ret_bufs.push(buffer_of(&operands[k].tensor, tensor_names[k])?);
+    }
+    // Attributes: every scalar argument, as the handler reads it.
+    let mut names: Vec<XLA_FFI_ByteSpan> = Vec::new();
+    let mut kinds: Vec<XLA_FFI_AttrType> = Vec::new();
+    let mut scalar_bytes: Vec<[u64; 1]> = Vec::new();
+    let mut scalar_types: Vec<XLA_FFI_DataType> = Vec::new();
+    let mut strings: Vec<(usize, &str)> = Vec::new(); // (attribute index, value)
+    let mut attr_order: Vec<Option<usize>> = Vec::new(); // scalar index per attribute (None: string)
+    for (i, &(name, kind)) in sig.args().iter().enumerate() {
+        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            continue;
+        }
+        let ty = op
+            .attrs
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(_, t)| t)
+            .ok_or_else(|| KernelError(format!("argument {name} has no attribute type")))?;
+        names.push(XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() });
+        let mut word = [0u64; 1];
+        let bytes: &mut [u8; 8] = bytemuck_u64(&mut word);
+        let scalar = match ty {
+            AttrType::F32 => {
+                bytes[..4].copy_from_slice(&(args.float(i)? as f32).to_ne_bytes());
+                Some(XLA_FFI_DataType::F32)
+            }
+            AttrType::F64 => {
+                bytes.copy_from_slice(&args.float(i)?.to_ne_bytes());
+                Some(XLA_FFI_DataType::F64)
+            }
+            AttrType::I32 => {
+                let v = args.int(i)?;
+                let v = i32::try_from(v)
+                    .map_err(|_| KernelError(format!("{name}: {v} does not fit an int32")))?;
+                bytes[..4].copy_from_slice(&v.to_ne_bytes());
+                Some(XLA_FFI_DataType::S32)
+            }
+            AttrType::I64 => {
+                bytes.copy_from_slice(&args.int(i)?.to_ne_bytes());
+                Some(XLA_FFI_DataType::S64)
+            }
+            AttrType::Bool => {
+                bytes[0] = args.bool(i)? as u8;
+                Some(XLA_FFI_DataType::PRED)
+            }
+            AttrType::Str => None,
+        };
+        match scalar {
+            Some(t) => {
+                attr_order.push(Some(scalar_bytes.len()));
+                scalar_bytes.push(word);
+                scalar_types.push(t);
+                kinds.push(XLA_FFI_AttrType::SCALAR);
+            }
+            None => {
+                attr_order.push(None);
+                strings.push((names.len() - 1, args.str(i)?));
+                kinds.push(XLA_FFI_AttrType::STRING);
+            }
+        }
+    }
+    // Every vector is complete: pointers into them stay valid until they drop after the call.
+    let mut scalars: Vec<XLA_FFI_Scalar> = scalar_types
+        .iter()
+        .zip(scalar_bytes.iter_mut())
+        .map(|(&dtype, word)| XLA_FFI_Scalar { dtype, value: word.as_mut_ptr().cast() })
+        .collect();
+    let mut string_spans: Vec<XLA_FFI_ByteSpan> =
+        strings.iter().map(|(_, s)| XLA_FFI_ByteSpan { ptr: s.as_ptr().cast(), len: s.len() }).collect();
+    let mut attr_values: Vec<*mut c_void> = Vec::with_capacity(names.len());
+    let mut next_string = 0;
+    for slot in &attr_order {
+        attr_values.push(match slot {
+            Some(k) => (&raw mut scalars[*k]).cast(),
+            None => {
+                next_string += 1;
+                (&raw mut string_spans[next_string - 1]).cast()
+            }
+        });
+    }
+    let mut name_ptrs: Vec<*mut XLA_FFI_ByteSpan> =
+        names.iter_mut().map(|n| n as *mut XLA_FFI_ByteSpan).collect();
+    let mut arg_types = vec![XLA_FFI_ArgType::BUFFER; arg_bufs.len()];
+    let mut ret_types = vec![XLA_FFI_RetType::BUFFER; ret_bufs.len()];
+    let mut arg_ptrs: Vec<*mut c_void> =
+        arg_bufs.iter_mut().map(|b| (b as *mut XLA_FFI_Buffer).cast()).collect();
+    let mut ret_ptrs: Vec<*mut c_void> =
+        ret_bufs.iter_mut().map(|b| (b as *mut XLA_FFI_Buffer).cast()).collect();
+    let api = api_table();
+    let mut frame = XLA_FFI_CallFrame {
+        struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
+        extension_start: null_mut(),
+        api: &api,
+        ctx: null_mut(),
+        stage: XLA_FFI_ExecutionStage::EXECUTE,
+        args: XLA_FFI_Args {
+            struct_size: XLA_FFI_Args_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: arg_ptrs.len() as i64,
+            types: arg_types.as_mut_ptr(),
+            args: arg_ptrs.as_mut_ptr(),
+        },
+        rets: XLA_FFI_Rets {
+            struct_size: XLA_FFI_Rets_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: ret_ptrs.len() as i64,
+            types: ret_types.as_mut_ptr(),
+            rets: ret_ptrs.as_mut_ptr(),
+        },
+        attrs: XLA_FFI_Attrs {
+            struct_size: XLA_FFI_Attrs_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: attr_values.len() as i64,
+            types: kinds.as_mut_ptr(),
+            names: name_ptrs.as_mut_ptr(),
+            attrs: attr_values.as_mut_ptr(),
+        },
+        future: null_mut(),
+    };
+    // SAFETY: a complete frame of this module's making: every pointer in it points into the
+    // vectors above (alive and unmoved through the call) or to tensors owned here; buffers are
+    // host memory of the extents and dtypes they state; the API table answers errors and the
+    // stream. The handler's contract is XLA's, which this frame meets.
+    let err = unsafe { (op.handler)(&mut frame) };
+    if !err.is_null() {
+        // SAFETY: a non-NULL error can only come from this table's error_create.
+        let e = unsafe { Box::from_raw(err.cast::<AdapterError>()) };
+        return Err(KernelError(e.message.to_string_lossy().into_owned()));
+    }
+    for s in &operands {
+        if let Some(i) = s.copy_back_into {
+            args.tensor(i)?.copy_from(&s.tensor)?;
+        }
+    }
+    for (i, t) in fresh.into_iter().enumerate() {
+        outs.set(i, Value::Tensor(t))?;
+    }
+    Ok(())
+}
+
+fn bytemuck_u64(w: &mut [u64; 1]) -> &mut [u8; 8] {
+    // SAFETY: [u64; 1] and [u8; 8] have the same size, u8 has no alignment requirement, every
+    // byte pattern is valid for both, and the borrow is carried over.
+    unsafe { &mut *(w as *mut [u64; 1]).cast::<[u8; 8]>() }
+}
+
+/// An error the handler made through this module's API table.
+struct AdapterError {
+    message: CString,
+}
+
+unsafe extern "C" fn error_create(args: *mut XLA_FFI_Error_Create_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler passes its arguments (dlbridge's xla layer: a NUL-terminated message).
+    let m = unsafe { (*args).message };
+    let message = if m.is_null() {
+        c"(no message)".to_owned()
+    } else {
+        // SAFETY: NUL-terminated (above), copied here.
+        unsafe { CStr::from_ptr(m) }.to_owned()
+    };
+    Box::into_raw(Box::new(AdapterError { message })).cast()
+}
+
+unsafe extern "C" fn error_get_message(args: *mut XLA_FFI_Error_GetMessage_Args) {
+    // SAFETY: an error error_create made, alive until destroyed; the message it owns.
+    unsafe { (*args).message = (*(*args).error.cast::<AdapterError>()).message.as_ptr() };
+}
+
+unsafe extern "C" fn error_destroy(args: *mut XLA_FFI_Error_Destroy_Args) {
+    // SAFETY: an error error_create made, destroyed once.
+    drop(unsafe { Box::from_raw((*args).error.cast::<AdapterError>()) });
+}
+
+unsafe extern "C" fn stream_get(args: *mut XLA_FFI_Stream_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler's arguments; the CPU has no stream.
+    unsafe { (*args).stream = null_mut() };
+    null_mut()
+}
+
+fn api_table() -> XLA_FFI_Api {
+    XLA_FFI_Api {
+        struct_size: XLA_FFI_Api_STRUCT_SIZE,
+        extension_start: null_mut(),
+        api_version: XLA_FFI_Api_Version {
+            struct_size: XLA_FFI_Api_Version_STRUCT_SIZE,
+            extension_start: null_mut(),
+            major_version: XLA_FFI_API_MAJOR,
+            minor_version: XLA_FFI_API_MINOR,
+        },
+        internal_api: std::ptr::null(),
+        XLA_FFI_Error_Create: Some(error_create),
+        XLA_FFI_Error_GetMessage: Some(error_get_message),
+        XLA_FFI_Error_Destroy: Some(error_destroy),
+        XLA_FFI_Handler_Register: std::ptr::null(),
+        XLA_FFI_Stream_Get: Some(stream_get),
+        XLA_FFI_Type_Register: std::ptr::null(),
+        XLA_FFI_ExecutionContext_Get: std::ptr::null(),
+        XLA_FFI_State_Set: std::ptr::null(),
+        XLA_FFI_State_Get: std::ptr::null(),
+        XLA_FFI_DeviceMemory_Allocate: std::ptr::null(),
+        XLA_FFI_DeviceMemory_Free: std::ptr::null(),
+        XLA_FFI_ThreadPool_Schedule: std::ptr::null(),
+        XLA_FFI_ThreadPool_NumThreads: std::ptr::null(),
+        XLA_FFI_Future_Create: std::ptr::null(),
+        XLA_FFI_Future_SetAvailable: std::ptr::null(),
+        XLA_FFI_Future_SetError: std::ptr::null(),
+        XLA_FFI_RunId_Get: std::ptr::null(),
+        XLA_FFI_DeviceOrdinal_Get: None,
+    }
+}
