@@ -47,11 +47,14 @@ fn setup() -> Option<&'static Torch> {
             lib.define(sig).unwrap();
         }
         let cpu = Library::implementation(t, NS, "CPU").unwrap();
-        cpu.register("add_one", add_one_cpu).unwrap();
-        cpu.register("fails", fails_cpu).unwrap();
-        cpu.register("panics", panics_cpu).unwrap();
-        cpu.register("empty", empty_cpu).unwrap();
-        Library::implementation(t, NS, "Meta").unwrap().register("add_one", add_one_meta).unwrap();
+        // SAFETY: each kernel runs through run_boxed with the signature its op was defined from.
+        unsafe {
+            cpu.register("add_one", add_one_cpu).unwrap();
+            cpu.register("fails", fails_cpu).unwrap();
+            cpu.register("panics", panics_cpu).unwrap();
+            cpu.register("empty", empty_cpu).unwrap();
+            Library::implementation(t, NS, "Meta").unwrap().register("add_one", add_one_meta).unwrap();
+        }
         dlbridge::torch_stable::xla::register::<Saxpy>(t, NS).unwrap();
         dlbridge::torch_stable::xla::register::<SaxpyInPlace>(t, NS).unwrap();
     });
@@ -184,7 +187,8 @@ fn narrow(x: &Tensor, dim: i64, start: i64, length: i64) -> Tensor {
     let t = x.torch();
     let args =
         vec![Value::Tensor(x.new_handle().unwrap()), Value::Int(dim), Value::Int(start), Value::Int(length)];
-    one(t.call("aten::narrow", "", args, &[ArgKind::Tensor]).unwrap())
+    // SAFETY: the arguments and results have the op's schema types.
+    one(unsafe { t.call("aten::narrow", "", args, &[ArgKind::Tensor]) }.unwrap())
 }
 
 #[test]
@@ -212,9 +216,11 @@ fn add_one_is_a_native_op_called_through_the_dispatcher() {
         (x.dtype().unwrap(), x.device().unwrap(), x.storage_offset().unwrap()),
         (DataType::FLOAT32, TorchDevice::CPU, 0)
     );
-    let y = one(t
-        .call("dlbridge_test::add_one", "", vec![Value::Tensor(x.new_handle().unwrap())], &[ArgKind::Tensor])
-        .unwrap());
+    // SAFETY: the arguments and results have the op's schema types.
+    let y = one(unsafe {
+        t.call("dlbridge_test::add_one", "", vec![Value::Tensor(x.new_handle().unwrap())], &[ArgKind::Tensor])
+    }
+    .unwrap());
     assert_eq!(f32s(&y), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
     assert_eq!((y.sizes().unwrap(), y.dtype().unwrap()), (vec![2, 3], DataType::FLOAT32));
     // A view with a storage offset and a stride that is not the row's length.
@@ -225,7 +231,10 @@ fn add_one_is_a_native_op_called_through_the_dispatcher() {
     );
     assert!(!v.is_contiguous().unwrap());
     assert_eq!(v.data_ptr().unwrap(), x.data_ptr().unwrap().cast::<f32>().wrapping_add(1).cast());
-    let w = one(t.call("dlbridge_test::add_one", "", vec![Value::Tensor(v)], &[ArgKind::Tensor]).unwrap());
+    // SAFETY: the arguments and results have the op's schema types.
+    let w =
+        one(unsafe { t.call("dlbridge_test::add_one", "", vec![Value::Tensor(v)], &[ArgKind::Tensor]) }
+            .unwrap());
     assert_eq!(f32s(&w), [2.0, 3.0, 5.0, 6.0]);
     // The kernel deleted its input handles: the last reference is ours, and the memory goes
     // exactly once when it drops.
@@ -240,7 +249,10 @@ fn the_meta_kernel_makes_the_output_on_the_meta_device() {
     let Some(t) = setup() else { return };
     let x = t.empty(&[5, 7], DataType::FLOAT32, TorchDevice::META).unwrap();
     assert_eq!(x.device().unwrap().kind, DeviceKind::Meta);
-    let y = one(t.call("dlbridge_test::add_one", "", vec![Value::Tensor(x)], &[ArgKind::Tensor]).unwrap());
+    // SAFETY: the arguments and results have the op's schema types.
+    let y =
+        one(unsafe { t.call("dlbridge_test::add_one", "", vec![Value::Tensor(x)], &[ArgKind::Tensor]) }
+            .unwrap());
     assert_eq!((y.sizes().unwrap(), y.device().unwrap().kind), (vec![5, 7], DeviceKind::Meta));
 }
 
@@ -251,7 +263,8 @@ fn a_kernel_error_reaches_the_caller_and_every_tensor_is_freed() {
     let x = counted(t, &[3], &FREED);
     let before = FAILS_OUTPUT_FREED.load(Ordering::SeqCst);
     let args = vec![Value::Tensor(x.new_handle().unwrap()), Value::Str("not today".into())];
-    let err = t.call("dlbridge_test::fails", "", args, &[ArgKind::Tensor]).unwrap_err();
+    // SAFETY: the arguments and results have the op's schema types.
+    let err = unsafe { t.call("dlbridge_test::fails", "", args, &[ArgKind::Tensor]) }.unwrap_err();
     let Error::Call { message, .. } = &err else { panic!("{err:?}") };
     if t.has("torch_exception_get_what_without_backtrace") {
         assert!(message.contains("fails: refused: not today"), "{message}");
@@ -267,9 +280,11 @@ fn a_kernel_panic_is_an_error_and_frees_its_input() {
     let Some(t) = setup() else { return };
     static FREED: AtomicUsize = AtomicUsize::new(0);
     let x = counted(t, &[2], &FREED);
-    let err = t
-        .call("dlbridge_test::panics", "", vec![Value::Tensor(x.new_handle().unwrap())], &[ArgKind::Tensor])
-        .unwrap_err();
+    // SAFETY: the arguments and results have the op's schema types.
+    let err = unsafe {
+        t.call("dlbridge_test::panics", "", vec![Value::Tensor(x.new_handle().unwrap())], &[ArgKind::Tensor])
+    }
+    .unwrap_err();
     if t.has("torch_exception_get_what_without_backtrace") {
         assert!(err.to_string().contains("panics: panicked: the kernel panicked on purpose"), "{err}");
     }
@@ -277,7 +292,8 @@ fn a_kernel_panic_is_an_error_and_frees_its_input() {
     assert_eq!(FREED.load(Ordering::SeqCst), 1);
     // The process goes on: the op works again.
     let y = t.empty(&[1], DataType::FLOAT32, TorchDevice::CPU).unwrap();
-    assert!(t.call("dlbridge_test::empty", "", vec![Value::Tensor(y)], &[]).unwrap().is_empty());
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::empty", "", vec![Value::Tensor(y)], &[]) }.unwrap().is_empty());
 }
 
 #[test]
@@ -290,7 +306,8 @@ fn torch_errors_carry_torch_message() {
     if t.has("torch_exception_get_what_without_backtrace") {
         assert!(message.contains("multiple times"), "{message}");
     }
-    let err = t.call("dlbridge_test::no_such_op", "", vec![], &[]).unwrap_err();
+    // SAFETY: the arguments and results have the op's schema types.
+    let err = unsafe { t.call("dlbridge_test::no_such_op", "", vec![], &[]) }.unwrap_err();
     if t.has("torch_exception_get_what_without_backtrace") {
         assert!(err.to_string().contains("Could not find schema for dlbridge_test::no_such_op"), "{err}");
     }
@@ -380,7 +397,8 @@ fn an_xla_handler_runs_as_the_ops_cpu_kernel() {
             Value::Tensor(y.new_handle().unwrap()),
             Value::Float(a),
         ];
-        t.call("dlbridge_test::saxpy", "", args, &[ArgKind::Tensor])
+        // SAFETY: the arguments and results have the op's schema types.
+        unsafe { t.call("dlbridge_test::saxpy", "", args, &[ArgKind::Tensor]) }
     };
     assert_eq!(f32s(&one(call(&x, &y, 2.0).unwrap())), [12.0, 24.0, 36.0, 48.0]);
     // A strided operand (every other element) is made contiguous for the handler.
@@ -403,15 +421,19 @@ fn an_xla_handler_runs_as_the_ops_cpu_kernel() {
 /// (sizes [n/2, 1], strides [2, 1]) then `aten::squeeze.dim(1)`.
 fn strided_view(wide: &Tensor) -> Tensor {
     let t = wide.torch();
-    let u = one(t
-        .call(
+    // SAFETY: the arguments and results have the op's schema types.
+    let u = one(unsafe {
+        t.call(
             "aten::unfold",
             "",
             vec![Value::Tensor(wide.new_handle().unwrap()), Value::Int(0), Value::Int(1), Value::Int(2)],
             &[ArgKind::Tensor],
         )
-        .unwrap());
-    one(t.call("aten::squeeze", "dim", vec![Value::Tensor(u), Value::Int(1)], &[ArgKind::Tensor]).unwrap())
+    }
+    .unwrap());
+    // SAFETY: the arguments and results have the op's schema types.
+    one(unsafe { t.call("aten::squeeze", "dim", vec![Value::Tensor(u), Value::Int(1)], &[ArgKind::Tensor]) }
+        .unwrap())
 }
 
 #[test]
@@ -424,12 +446,14 @@ fn an_in_place_xla_handler_writes_the_callers_tensor() {
         Value::Tensor(y.new_handle().unwrap()),
         Value::Float(2.0),
     ];
-    assert!(t.call("dlbridge_test::saxpy_", "", args, &[]).unwrap().is_empty());
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::saxpy_", "", args, &[]) }.unwrap().is_empty());
     assert_eq!(f32s(&y), [12.0, 24.0, 36.0]);
     // A non-contiguous y: computed on a contiguous copy, copied back into the caller's view.
     let wide = filled(t, &[10.0, -1.0, 20.0, -1.0, 30.0, -1.0]);
     let view = strided_view(&wide);
     let args = vec![Value::Tensor(x.new_handle().unwrap()), Value::Tensor(view), Value::Float(1.0)];
-    assert!(t.call("dlbridge_test::saxpy_", "", args, &[]).unwrap().is_empty());
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::saxpy_", "", args, &[]) }.unwrap().is_empty());
     assert_eq!(f32s(&wide), [11.0, -1.0, 22.0, -1.0, 33.0, -1.0]);
 }

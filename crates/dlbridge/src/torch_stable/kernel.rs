@@ -374,7 +374,7 @@ unsafe fn take_args(
             }
             ArgKind::Int => Some(Value::Int(raw as i64)),
             ArgKind::Float => Some(Value::Float(f64::from_bits(raw))),
-            ArgKind::Bool => Some(Value::Bool(raw & 0xff != 0)),
+            ArgKind::Bool => Some(Value::Bool(raw.to_ne_bytes()[0] != 0)),
             // SAFETY: a str argument is an owning std::string handle.
             ArgKind::Str => match unsafe { take_string(torch, raw as usize as StringHandle) } {
                 Ok(s) => Some(Value::Str(s)),
@@ -441,13 +441,21 @@ unsafe fn put_outputs(stack: *mut StableIValue, outs: Outputs) -> Result<(), Ker
             Value::Tensor(t) => t.into_raw() as usize as u64,
             Value::Int(v) => v as u64,
             Value::Float(v) => v.to_bits(),
-            Value::Bool(v) => v as u64,
+            Value::Bool(v) => bool_word(v),
             Value::Str(_) => unreachable!("Outputs::set refuses str"),
         };
         // SAFETY: entry i < num_outputs of torch's stack; torch takes the handle.
         unsafe { stack.add(i).write(raw) };
     }
     Ok(())
+}
+
+/// A bool as the stack holds it: one byte at the u64's lowest address (torch memcpy's it into
+/// a zeroed word).
+fn bool_word(v: bool) -> StableIValue {
+    let mut b = [0u8; 8];
+    b[0] = v as u8;
+    u64::from_ne_bytes(b)
 }
 
 fn panic_message(p: &(dyn Any + Send)) -> &str {
@@ -500,7 +508,13 @@ impl Torch {
     /// fails before that (no such op) it frees none of them, and which it took is not said, so
     /// they are leaked rather than risk a double free. An error the op (or its kernel) threw is
     /// [`Error::Call`] with its message (torch 2.13+).
-    pub fn call(
+    ///
+    /// # Safety
+    ///
+    /// When the op exists, `args` match its schema's arguments one for one (a `Tensor` where it
+    /// takes a `Tensor`, an `Int` for `int`/`SymInt`, ...: torch decodes each word as the schema
+    /// says, and has no way to check) and `rets` its returns. The stack carries no types.
+    pub unsafe fn call(
         &'static self,
         op: &str,
         overload: &str,
@@ -544,7 +558,7 @@ impl Torch {
                 Value::Tensor(t) => t.into_raw() as usize as u64,
                 Value::Int(v) => v as u64,
                 Value::Float(v) => v.to_bits(),
-                Value::Bool(v) => v as u64,
+                Value::Bool(v) => bool_word(v),
                 Value::Str(_) => stack[i],
             };
         }
@@ -578,7 +592,7 @@ impl Torch {
                 }
                 ArgKind::Int => Value::Int(raw as i64),
                 ArgKind::Float => Value::Float(f64::from_bits(raw)),
-                ArgKind::Bool => Value::Bool(raw & 0xff != 0),
+                ArgKind::Bool => Value::Bool(raw.to_ne_bytes()[0] != 0),
                 // SAFETY: a str result is an owning string handle.
                 ArgKind::Str => match unsafe { take_string(self, raw as usize as StringHandle) } {
                     Ok(s) => Value::Str(s),

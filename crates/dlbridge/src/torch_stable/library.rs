@@ -109,8 +109,15 @@ impl Library {
     /// Registers `kernel` as op `name`'s kernel for this library's dispatch key, through
     /// `torch_library_impl` (passing [`EXTENSION_ABI_VERSION`]) or, on a torch before 2.10,
     /// `aoti_torch_library_impl`. Refused when the torch lacks `aoti_torch_check`, without which a
-    /// kernel could not report an error.
-    pub fn register(&self, name: &str, kernel: BoxedKernel) -> Result<()> {
+    /// kernel could not report an error. [`xla::register`](super::xla::register) is the safe
+    /// composite (it defines the op from the same signature its kernels decode).
+    ///
+    /// # Safety
+    ///
+    /// `kernel` is sound to call with torch's boxed stack for op `name` of this namespace, as
+    /// defined (its schema's arguments and returns: a kernel through [`run_boxed`](super::run_boxed)
+    /// whose [`OpSignature`] made that schema), from any thread, for the rest of the process.
+    pub unsafe fn register(&self, name: &str, kernel: BoxedKernel) -> Result<()> {
         self.torch.need(self.torch.syms.aoti_torch_check, "aoti_torch_check")?;
         let n = cstring("name", name)?;
         let code = if let Some(f) = self.torch.syms.torch_library_impl {

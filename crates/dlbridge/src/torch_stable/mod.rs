@@ -39,7 +39,8 @@
 //! let torch = Torch::attach()?; // the libtorch the process has (after `import torch`)
 //! let lib = Library::fragment(torch, "my_ns")?;
 //! lib.define(&NEG)?;
-//! Library::implementation(torch, "my_ns", "CPU")?.register(NEG.name(), neg_cpu)?;
+//! // SAFETY: neg_cpu decodes the stack with NEG, the signature the op was just defined from.
+//! unsafe { Library::implementation(torch, "my_ns", "CPU")?.register(NEG.name(), neg_cpu)? };
 //! # Ok::<(), dlbridge::torch_stable::Error>(())
 //! ```
 //!

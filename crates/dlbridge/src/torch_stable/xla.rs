@@ -199,8 +199,12 @@ pub fn register<O: NativeOp>(torch: &'static Torch, ns: &str) -> Result<()> {
     O::OP.validate()?;
     let name = O::OP.signature.name();
     Library::fragment(torch, ns)?.define(&O::OP.signature)?;
-    Library::implementation(torch, ns, "CPU")?.register(name, cpu_kernel::<O>)?;
-    Library::implementation(torch, ns, "Meta")?.register(name, meta_kernel::<O>)
+    // SAFETY: the op was just defined from O's signature (a definition by anyone else would
+    // have made define() fail), which is what both kernels decode the stack with.
+    unsafe {
+        Library::implementation(torch, ns, "CPU")?.register(name, cpu_kernel::<O>)?;
+        Library::implementation(torch, ns, "Meta")?.register(name, meta_kernel::<O>)
+    }
 }
 
 fn args_torch(args: &Args) -> Result<&'static Torch, KernelError> {
