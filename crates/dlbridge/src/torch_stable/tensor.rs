@@ -284,8 +284,17 @@ impl Torch {
 
     /// A new uninitialised C-contiguous tensor of `sizes`.
     pub fn empty(&'static self, sizes: &[i64], dtype: DataType, device: TorchDevice) -> Result<Tensor> {
-        let strides = crate::layout::c_strides(sizes);
-        self.empty_strided(sizes, &strides, dtype, device)
+        // Strides on the stack for the usual ranks (no allocation on a kernel's output path).
+        let mut small = [0i64; 16];
+        let mut big = Vec::new();
+        let strides: &mut [i64] = if sizes.len() <= small.len() {
+            &mut small[..sizes.len()]
+        } else {
+            big.resize(sizes.len(), 0);
+            &mut big
+        };
+        crate::layout::c_strides_into(sizes, strides);
+        self.empty_strided(sizes, strides, dtype, device)
     }
 
     /// A new uninitialised C-contiguous tensor of `like`'s extents, dtype and device.

@@ -127,6 +127,19 @@ impl XlaOp {
         if let Some((name, _)) = self.attrs.iter().find(|(n, _)| !sig.args().iter().any(|(a, _)| a == n)) {
             return bad(format!("attribute {name} is not an argument"));
         }
+        let tensors =
+            sig.args().iter().filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut)).count();
+        let mutated = sig.args().iter().filter(|(_, k)| *k == ArgKind::TensorMut).count();
+        let scalars = sig.args().len() - tensors;
+        if tensors > MAX_FRAME_ITEMS
+            || scalars > MAX_FRAME_ITEMS
+            || sig.rets().len() + mutated > MAX_FRAME_ITEMS
+        {
+            return bad(format!(
+                "{tensors} tensor arguments, {scalars} scalar arguments, {} results (at most {MAX_FRAME_ITEMS} each)",
+                sig.rets().len() + mutated
+            ));
+        }
         if sig.rets().iter().any(|&k| k != ArgKind::Tensor) {
             return bad("results must be tensors".into());
         }
@@ -271,12 +284,35 @@ fn xla_dtype(dtype: DataType) -> Option<XLA_FFI_DataType> {
     })
 }
 
-/// One buffer of the frame: the contiguous tensor it views and, for an in-place argument that
-/// was not contiguous, the argument to copy back into.
-struct Slot {
-    tensor: Tensor,
-    copy_back_into: Option<usize>,
+/// The most tensor arguments, scalar arguments and results an [`XlaOp`] may have (the frame is
+/// built on the stack, without allocating).
+pub const MAX_FRAME_ITEMS: usize = 16;
+
+/// A tensor argument as the handler sees it: the argument itself when it is C-contiguous, else
+/// a contiguous copy (copied back into the argument after the call when the op writes it).
+enum Operand<'a> {
+    Borrowed(&'a Tensor),
+    Copied { tensor: Tensor, copy_back_into: Option<usize> },
 }
+
+impl Operand<'_> {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            Self::Borrowed(t) => t,
+            Self::Copied { tensor, .. } => tensor,
+        }
+    }
+}
+
+const NO_BUFFER: XLA_FFI_Buffer = XLA_FFI_Buffer {
+    struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
+    extension_start: null_mut(),
+    dtype: XLA_FFI_DataType::INVALID,
+    data: null_mut(),
+    rank: 0,
+    dims: null_mut(),
+};
+const NO_SPAN: XLA_FFI_ByteSpan = XLA_FFI_ByteSpan { ptr: std::ptr::null(), len: 0 };
 
 /// Runs `op.handler` over torch's boxed stack (see [the module](self)).
 ///
@@ -290,160 +326,189 @@ pub unsafe fn run_xla(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_o
     }
 }
 
+#[cold]
+fn too_many(op: &XlaOp, what: &str, n: usize) -> KernelError {
+    KernelError(format!("{}: {n} {what} (at most {MAX_FRAME_ITEMS})", op.signature.name()))
+}
+
+/// The XLA buffer over `t` (host memory, C-contiguous, its dtype `dtype`).
+fn buffer_of(t: &Tensor, dtype: DataType, what: &str) -> Result<XLA_FFI_Buffer, KernelError> {
+    let x =
+        xla_dtype(dtype).ok_or_else(|| KernelError(format!("{what}: {dtype} has no XLA element type")))?;
+    // SAFETY: the tensor is held through the call and nothing changes its metadata meanwhile (a
+    // kernel's argument or a tensor made here); the frame only reads the extents.
+    let dims = unsafe { t.sizes_borrowed() }?;
+    Ok(XLA_FFI_Buffer {
+        struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
+        extension_start: null_mut(),
+        dtype: x,
+        data: t.data_ptr()?,
+        rank: dims.len() as i64,
+        dims: dims.as_ptr().cast_mut(),
+    })
+}
+
 fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
     let torch = args_torch(args)?;
     let sig = &op.signature;
+    const N: usize = MAX_FRAME_ITEMS;
     // Operands: every tensor argument, C-contiguous on the CPU.
-    let mut operands: Vec<Slot> = Vec::new();
-    let mut aliased: Vec<usize> = Vec::new(); // operand index of each Tensor(a!) argument
+    let mut operands: [Option<Operand<'_>>; N] = std::array::from_fn(|_| None);
+    let mut dtypes = [DataType::BOOL; N];
+    let mut names: [&str; N] = [""; N];
+    let mut aliased = [0usize; N]; // operand index of each Tensor(a!) argument
+    let (mut n_ops, mut n_aliased) = (0, 0);
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
         if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
             continue;
         }
+        if n_ops == N {
+            return Err(too_many(op, "tensor arguments", n_ops + 1));
+        }
         let t = args.tensor(i)?;
-        if t.device()?.kind != super::DeviceKind::Cpu {
-            return Err(KernelError(format!(
-                "{name}: a {:?} tensor (this kernel runs on the CPU)",
-                t.device()?
-            )));
+        let device = t.device()?;
+        if device.kind != super::DeviceKind::Cpu {
+            return Err(KernelError(format!("{name}: a {device:?} tensor (this kernel runs on the CPU)")));
         }
-        let contiguous = t.is_contiguous()?;
-        let tensor = if contiguous { t.new_handle()? } else { torch.contiguous(t)? };
+        let operand = if t.is_contiguous()? {
+            Operand::Borrowed(t)
+        } else {
+            let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
+            Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
+        };
         if kind == ArgKind::TensorMut {
-            aliased.push(operands.len());
+            aliased[n_aliased] = n_ops;
+            n_aliased += 1;
         }
-        let copy_back_into = (kind == ArgKind::TensorMut && !contiguous).then_some(i);
-        operands.push(Slot { tensor, copy_back_into });
+        dtypes[n_ops] = operand.tensor().dtype()?;
+        names[n_ops] = name;
+        operands[n_ops] = Some(operand);
+        n_ops += 1;
     }
+    let operand = |k: usize| operands[k].as_ref().expect("the first n_ops are set").tensor();
     // Fresh results from the output rule.
-    let infos: Vec<TensorInfo> = operands
-        .iter()
-        .map(|s| Ok(TensorInfo { dtype: s.tensor.dtype()?, shape: s.tensor.sizes()? }))
-        .collect::<Result<_, Error>>()?;
-    let fresh: Vec<Tensor> = output_infos(op, &infos, args)?
-        .iter()
-        .map(|o| torch.empty(&o.shape, o.dtype, TorchDevice::CPU))
-        .collect::<Result<_, Error>>()?;
+    let mut fresh: [Option<Tensor>; N] = std::array::from_fn(|_| None);
+    let mut n_fresh = 0;
+    match op.out {
+        None => {}
+        Some(OutRule::Like(i)) => {
+            // Argument i is a tensor (validate()): its place among the operands.
+            let k = sig.args()[..i]
+                .iter()
+                .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
+                .count();
+            // SAFETY: the operand is held through the call, its metadata unchanged.
+            let shape = unsafe { operand(k).sizes_borrowed() }?;
+            fresh[0] = Some(torch.empty(shape, dtypes[k], TorchDevice::CPU)?);
+            n_fresh = 1;
+        }
+        Some(OutRule::Fn(_)) => {
+            let infos: Vec<TensorInfo> = (0..n_ops)
+                .map(|k| Ok(TensorInfo { dtype: dtypes[k], shape: operand(k).sizes()? }))
+                .collect::<Result<_, Error>>()?;
+            for o in output_infos(op, &infos, args)? {
+                if n_fresh == N {
+                    return Err(too_many(op, "results", n_fresh + 1));
+                }
+                fresh[n_fresh] = Some(torch.empty(&o.shape, o.dtype, TorchDevice::CPU)?);
+                n_fresh += 1;
+            }
+        }
+    }
+    if n_fresh + n_aliased > N {
+        return Err(too_many(op, "results", n_fresh + n_aliased));
+    }
     // The frame's buffers: operands, then fresh results, then the aliased operands again.
-    let buffer_of = |t: &Tensor, what: &str| -> Result<XLA_FFI_Buffer, KernelError> {
-        let dtype = t.dtype()?;
-        let x = xla_dtype(dtype)
-            .ok_or_else(|| KernelError(format!("{what}: {dtype} has no XLA element type")))?;
-        // SAFETY: the tensor is owned here and nothing changes its metadata during the call.
-        let dims = unsafe { t.sizes_borrowed() }?;
-        Ok(XLA_FFI_Buffer {
-            struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
-            extension_start: null_mut(),
-            dtype: x,
-            data: t.data_ptr()?,
-            rank: dims.len() as i64,
-            dims: dims.as_ptr().cast_mut(),
-        })
-    };
-    let tensor_names: Vec<&str> = sig
-        .args()
-        .iter()
-        .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
-        .map(|(n, _)| *n)
-        .collect();
-    let mut arg_bufs = Vec::with_capacity(operands.len());
-    for (s, name) in operands.iter().zip(&tensor_names) {
-        arg_bufs.push(buffer_of(&s.tensor, name)?);
+    let mut arg_bufs = [NO_BUFFER; N];
+    for k in 0..n_ops {
+        arg_bufs[k] = buffer_of(operand(k), dtypes[k], names[k])?;
     }
-    let mut ret_bufs = Vec::with_capacity(fresh.len() + aliased.len());
-    for t in &fresh {
-        ret_bufs.push(buffer_of(t, "result")?);
+    let mut ret_bufs = [NO_BUFFER; N];
+    for (k, t) in fresh[..n_fresh].iter().enumerate() {
+        let t = t.as_ref().expect("the first n_fresh are set");
+        ret_bufs[k] = buffer_of(t, t.dtype()?, "result")?;
     }
-    for &k in &aliased {
-        ret_bufs.push(buffer_of(&operands[k].tensor, tensor_names[k])?);
+    for (j, &k) in aliased[..n_aliased].iter().enumerate() {
+        ret_bufs[n_fresh + j] = buffer_of(operand(k), dtypes[k], names[k])?;
     }
+    let n_rets = n_fresh + n_aliased;
     // Attributes: every scalar argument, as the handler reads it.
-    let mut names: Vec<XLA_FFI_ByteSpan> = Vec::new();
-    let mut kinds: Vec<XLA_FFI_AttrType> = Vec::new();
-    let mut scalar_bytes: Vec<[u64; 1]> = Vec::new();
-    let mut scalar_types: Vec<XLA_FFI_DataType> = Vec::new();
-    let mut strings: Vec<(usize, &str)> = Vec::new(); // (attribute index, value)
-    let mut attr_order: Vec<Option<usize>> = Vec::new(); // scalar index per attribute (None: string)
+    let mut attr_names = [NO_SPAN; N];
+    let mut kinds = [XLA_FFI_AttrType::SCALAR; N];
+    let mut words = [[0u64; 1]; N];
+    let mut scalar_types = [XLA_FFI_DataType::INVALID; N];
+    let mut string_spans = [NO_SPAN; N];
+    let mut n_attrs = 0;
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
         if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
             continue;
         }
-        let ty = op
-            .attrs
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|&(_, t)| t)
-            .ok_or_else(|| KernelError(format!("argument {name} has no attribute type")))?;
-        names.push(XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() });
-        let mut word = [0u64; 1];
-        let bytes: &mut [u8; 8] = bytemuck_u64(&mut word);
-        let scalar = match ty {
+        if n_attrs == N {
+            return Err(too_many(op, "scalar arguments", n_attrs + 1));
+        }
+        let ty = op.attrs.iter().find(|(n, _)| *n == name).map(|&(_, t)| t);
+        let ty = ty.ok_or_else(|| KernelError(format!("argument {name} has no attribute type")))?;
+        attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
+        let bytes = bytemuck_u64(&mut words[n_attrs]);
+        scalar_types[n_attrs] = match ty {
             AttrType::F32 => {
                 bytes[..4].copy_from_slice(&(args.float(i)? as f32).to_ne_bytes());
-                Some(XLA_FFI_DataType::F32)
+                XLA_FFI_DataType::F32
             }
             AttrType::F64 => {
                 bytes.copy_from_slice(&args.float(i)?.to_ne_bytes());
-                Some(XLA_FFI_DataType::F64)
+                XLA_FFI_DataType::F64
             }
             AttrType::I32 => {
                 let v = args.int(i)?;
                 let v = i32::try_from(v)
                     .map_err(|_| KernelError(format!("{name}: {v} does not fit an int32")))?;
                 bytes[..4].copy_from_slice(&v.to_ne_bytes());
-                Some(XLA_FFI_DataType::S32)
+                XLA_FFI_DataType::S32
             }
             AttrType::I64 => {
                 bytes.copy_from_slice(&args.int(i)?.to_ne_bytes());
-                Some(XLA_FFI_DataType::S64)
+                XLA_FFI_DataType::S64
             }
             AttrType::Bool => {
                 bytes[0] = args.bool(i)? as u8;
-                Some(XLA_FFI_DataType::PRED)
+                XLA_FFI_DataType::PRED
             }
-            AttrType::Str => None,
+            AttrType::Str => {
+                let v = args.str(i)?;
+                string_spans[n_attrs] = XLA_FFI_ByteSpan { ptr: v.as_ptr().cast(), len: v.len() };
+                kinds[n_attrs] = XLA_FFI_AttrType::STRING;
+                XLA_FFI_DataType::INVALID
+            }
         };
-        match scalar {
-            Some(t) => {
-                attr_order.push(Some(scalar_bytes.len()));
-                scalar_bytes.push(word);
-                scalar_types.push(t);
-                kinds.push(XLA_FFI_AttrType::SCALAR);
-            }
-            None => {
-                attr_order.push(None);
-                strings.push((names.len() - 1, args.str(i)?));
-                kinds.push(XLA_FFI_AttrType::STRING);
-            }
-        }
+        n_attrs += 1;
     }
-    // Every vector is complete: pointers into them stay valid until they drop after the call.
-    let mut scalars: Vec<XLA_FFI_Scalar> = scalar_types
-        .iter()
-        .zip(scalar_bytes.iter_mut())
-        .map(|(&dtype, word)| XLA_FFI_Scalar { dtype, value: word.as_mut_ptr().cast() })
-        .collect();
-    let mut string_spans: Vec<XLA_FFI_ByteSpan> =
-        strings.iter().map(|(_, s)| XLA_FFI_ByteSpan { ptr: s.as_ptr().cast(), len: s.len() }).collect();
-    let mut attr_values: Vec<*mut c_void> = Vec::with_capacity(names.len());
-    let mut next_string = 0;
-    for slot in &attr_order {
-        attr_values.push(match slot {
-            Some(k) => (&raw mut scalars[*k]).cast(),
-            None => {
-                next_string += 1;
-                (&raw mut string_spans[next_string - 1]).cast()
-            }
-        });
+    // Every array is complete and stays where it is until the call returns: pointers into them
+    // are taken only now.
+    let mut scalars: [XLA_FFI_Scalar; N] = std::array::from_fn(|k| XLA_FFI_Scalar {
+        dtype: scalar_types[k],
+        value: words[k].as_mut_ptr().cast(),
+    });
+    let mut attr_values: [*mut c_void; N] = [null_mut(); N];
+    let mut name_ptrs: [*mut XLA_FFI_ByteSpan; N] = [null_mut(); N];
+    for k in 0..n_attrs {
+        attr_values[k] = if kinds[k] == XLA_FFI_AttrType::STRING {
+            (&raw mut string_spans[k]).cast()
+        } else {
+            (&raw mut scalars[k]).cast()
+        };
+        name_ptrs[k] = &raw mut attr_names[k];
     }
-    let mut name_ptrs: Vec<*mut XLA_FFI_ByteSpan> =
-        names.iter_mut().map(|n| n as *mut XLA_FFI_ByteSpan).collect();
-    let mut arg_types = vec![XLA_FFI_ArgType::BUFFER; arg_bufs.len()];
-    let mut ret_types = vec![XLA_FFI_RetType::BUFFER; ret_bufs.len()];
-    let mut arg_ptrs: Vec<*mut c_void> =
-        arg_bufs.iter_mut().map(|b| (b as *mut XLA_FFI_Buffer).cast()).collect();
-    let mut ret_ptrs: Vec<*mut c_void> =
-        ret_bufs.iter_mut().map(|b| (b as *mut XLA_FFI_Buffer).cast()).collect();
+    let mut arg_types = [XLA_FFI_ArgType::BUFFER; N];
+    let mut ret_types = [XLA_FFI_RetType::BUFFER; N];
+    let mut arg_ptrs: [*mut c_void; N] = [null_mut(); N];
+    let mut ret_ptrs: [*mut c_void; N] = [null_mut(); N];
+    for k in 0..n_ops {
+        arg_ptrs[k] = (&raw mut arg_bufs[k]).cast();
+    }
+    for k in 0..n_rets {
+        ret_ptrs[k] = (&raw mut ret_bufs[k]).cast();
+    }
     let api = api_table();
     let mut frame = XLA_FFI_CallFrame {
         struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
@@ -454,21 +519,21 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
         args: XLA_FFI_Args {
             struct_size: XLA_FFI_Args_STRUCT_SIZE,
             extension_start: null_mut(),
-            size: arg_ptrs.len() as i64,
+            size: n_ops as i64,
             types: arg_types.as_mut_ptr(),
             args: arg_ptrs.as_mut_ptr(),
         },
         rets: XLA_FFI_Rets {
             struct_size: XLA_FFI_Rets_STRUCT_SIZE,
             extension_start: null_mut(),
-            size: ret_ptrs.len() as i64,
+            size: n_rets as i64,
             types: ret_types.as_mut_ptr(),
             rets: ret_ptrs.as_mut_ptr(),
         },
         attrs: XLA_FFI_Attrs {
             struct_size: XLA_FFI_Attrs_STRUCT_SIZE,
             extension_start: null_mut(),
-            size: attr_values.len() as i64,
+            size: n_attrs as i64,
             types: kinds.as_mut_ptr(),
             names: name_ptrs.as_mut_ptr(),
             attrs: attr_values.as_mut_ptr(),
@@ -476,7 +541,7 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
         future: null_mut(),
     };
     // SAFETY: a complete frame of this module's making: every pointer in it points into the
-    // vectors above (alive and unmoved through the call) or to tensors owned here; buffers are
+    // arrays above (alive and unmoved through the call) or to tensors held here; buffers are
     // host memory of the extents and dtypes they state; the API table answers errors and the
     // stream. The handler's contract is XLA's, which this frame meets.
     let err = unsafe { (op.handler)(&mut frame) };
@@ -485,13 +550,13 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
         let e = unsafe { Box::from_raw(err.cast::<AdapterError>()) };
         return Err(KernelError(e.message.to_string_lossy().into_owned()));
     }
-    for s in &operands {
-        if let Some(i) = s.copy_back_into {
-            args.tensor(i)?.copy_from(&s.tensor)?;
+    for o in operands[..n_ops].iter().flatten() {
+        if let Operand::Copied { tensor, copy_back_into: Some(i) } = o {
+            args.tensor(*i)?.copy_from(tensor)?;
         }
     }
-    for (i, t) in fresh.into_iter().enumerate() {
-        outs.set(i, Value::Tensor(t))?;
+    for (i, t) in fresh.into_iter().take(n_fresh).enumerate() {
+        outs.set(i, Value::Tensor(t.expect("the first n_fresh are set")))?;
     }
     Ok(())
 }
