@@ -16,8 +16,8 @@ use dlbridge::spec::Rank;
 use dlbridge::torch_stable::sys::StableIValue;
 use dlbridge::torch_stable::xla::{AttrType, NativeOp, OutRule, XlaOp};
 use dlbridge::torch_stable::{
-    ArgKind, Args, DeviceKind, Error, KernelError, Library, OpSignature, Outputs, Tensor, Torch, TorchDevice,
-    Value, run_boxed,
+    ArgKind, Args, DeviceKind, Error, KernelError, Library, NativeKernel, OpSignature, Outputs, Tensor,
+    Torch, TorchDevice, Value, register_kernel, run_boxed,
 };
 
 const NS: &str = "dlbridge_test";
@@ -43,7 +43,7 @@ fn setup() -> Option<&'static Torch> {
     let t = torch()?;
     ONCE.call_once(|| {
         let lib = Library::fragment(t, NS).unwrap();
-        for sig in [&ADD_ONE, &FAILS, &PANICS, &EMPTY] {
+        for sig in [&ADD_ONE, &FAILS, &PANICS] {
             lib.define(sig).unwrap();
         }
         let cpu = Library::implementation(t, NS, "CPU").unwrap();
@@ -52,9 +52,9 @@ fn setup() -> Option<&'static Torch> {
             cpu.register("add_one", add_one_cpu).unwrap();
             cpu.register("fails", fails_cpu).unwrap();
             cpu.register("panics", panics_cpu).unwrap();
-            cpu.register("empty", empty_cpu).unwrap();
             Library::implementation(t, NS, "Meta").unwrap().register("add_one", add_one_meta).unwrap();
         }
+        register_kernel::<Empty>(t, NS, &["CPU", "Meta"]).unwrap();
         dlbridge::torch_stable::xla::register::<Saxpy>(t, NS).unwrap();
         dlbridge::torch_stable::xla::register::<SaxpyInPlace>(t, NS).unwrap();
     });
@@ -128,9 +128,13 @@ unsafe extern "C-unwind" fn panics_cpu(stack: *mut StableIValue, num_args: u64, 
     }
 }
 
-unsafe extern "C-unwind" fn empty_cpu(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
-    // SAFETY: as add_one_cpu, for EMPTY.
-    unsafe { run_boxed(stack, num_args, num_outputs, &EMPTY, |_args, _out| Ok(())) }
+/// Does nothing (registered through the safe route).
+struct Empty;
+impl NativeKernel for Empty {
+    const SIGNATURE: OpSignature = EMPTY;
+    fn run(_args: &mut Args, _out: &mut Outputs) -> Result<(), KernelError> {
+        Ok(())
+    }
 }
 
 static FAILS_OUTPUT_FREED: AtomicUsize = AtomicUsize::new(0);

@@ -12,9 +12,10 @@
 
 use dlbridge::DataType;
 use dlbridge::spec::Rank;
-use dlbridge::torch_stable::sys::StableIValue;
 use dlbridge::torch_stable::xla::{AttrType, NativeOp, OutRule, XlaOp};
-use dlbridge::torch_stable::{ArgKind, KernelError, Library, OpSignature, Torch, run_boxed};
+use dlbridge::torch_stable::{
+    ArgKind, Args, KernelError, NativeKernel, OpSignature, Outputs, Torch, register_kernel,
+};
 use dlbridge::xla::{Call, FfiError, Result};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -120,21 +121,22 @@ impl NativeOp for EmptyXla {
     };
 }
 
-const EMPTY: OpSignature = OpSignature::new("empty", &[("x", ArgKind::Tensor)], &[]);
-const FAILS: OpSignature =
-    OpSignature::new("fails", &[("x", ArgKind::Tensor), ("why", ArgKind::Str)], &[ArgKind::Tensor]);
-
-unsafe extern "C-unwind" fn empty_cpu(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
-    // SAFETY: torch calls this with the stack of EMPTY, the signature the op was defined from.
-    unsafe { run_boxed(stack, num_args, num_outputs, &EMPTY, |_, _| Ok(())) }
+/// `empty(Tensor x) -> ()`: does nothing.
+struct Empty;
+impl NativeKernel for Empty {
+    const SIGNATURE: OpSignature = OpSignature::new("empty", &[("x", ArgKind::Tensor)], &[]);
+    fn run(_args: &mut Args, _out: &mut Outputs) -> std::result::Result<(), KernelError> {
+        Ok(())
+    }
 }
 
-unsafe extern "C-unwind" fn fails_cpu(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
-    // SAFETY: as empty_cpu, for FAILS.
-    unsafe {
-        run_boxed(stack, num_args, num_outputs, &FAILS, |args, _| {
-            Err(KernelError(format!("refused: {}", args.str(1)?)))
-        })
+/// `fails(Tensor x, str why) -> Tensor`: refuses with `why`.
+struct Fails;
+impl NativeKernel for Fails {
+    const SIGNATURE: OpSignature =
+        OpSignature::new("fails", &[("x", ArgKind::Tensor), ("why", ArgKind::Str)], &[ArgKind::Tensor]);
+    fn run(args: &mut Args, _out: &mut Outputs) -> std::result::Result<(), KernelError> {
+        Err(KernelError(format!("refused: {}", args.str(1)?)))
     }
 }
 
@@ -142,18 +144,9 @@ fn registered(torch: &'static Torch) -> dlbridge::torch_stable::Result<()> {
     dlbridge::torch_stable::xla::register::<Saxpy>(torch, NS)?;
     dlbridge::torch_stable::xla::register::<SaxpyInPlace>(torch, NS)?;
     dlbridge::torch_stable::xla::register::<EmptyXla>(torch, NS)?;
-    let lib = Library::fragment(torch, NS)?;
-    lib.define(&EMPTY)?;
-    lib.define(&FAILS)?;
-    let cpu = Library::implementation(torch, NS, "CPU")?;
-    // SAFETY: each kernel decodes the stack with the signature its op was just defined from.
-    unsafe {
-        cpu.register(EMPTY.name(), empty_cpu)?;
-        cpu.register(FAILS.name(), fails_cpu)?;
-        // The same nothing on the meta device (for fake tensors).
-        Library::implementation(torch, NS, "Meta")?.register(EMPTY.name(), empty_cpu)?;
-    }
-    Ok(())
+    // The same nothing on the meta device (for fake tensors).
+    register_kernel::<Empty>(torch, NS, &["CPU", "Meta"])?;
+    register_kernel::<Fails>(torch, NS, &["CPU"])
 }
 
 /// Registers the ops once per process (`import torch` first) and returns the torch version

@@ -333,6 +333,48 @@ pub unsafe fn run_boxed<F>(
     throw(torch, signature.name, &failure)
 }
 
+/// A kernel known at compile time: its op's signature and body. [`register_kernel`] defines the
+/// op and registers [`boxed_kernel::<Self>`](boxed_kernel) for dispatch keys, safely (the kernel
+/// decodes the stack with the signature the op was defined from).
+pub trait NativeKernel: 'static {
+    /// The op's name, arguments and results.
+    const SIGNATURE: OpSignature;
+
+    /// The body (see [`run_boxed`]).
+    fn run(args: &mut Args, outs: &mut Outputs) -> Result<(), KernelError>;
+}
+
+/// The boxed kernel of `K`: [`run_boxed`] with `K`'s signature and body.
+///
+/// # Safety
+///
+/// As [`run_boxed`], for an op of schema `K::SIGNATURE.schema()`.
+pub unsafe extern "C-unwind" fn boxed_kernel<K: NativeKernel>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { run_boxed(stack, num_args, num_outputs, &K::SIGNATURE, K::run) }
+}
+
+/// Defines `K`'s op in namespace `ns` and registers its kernel for each of `dispatch_keys`
+/// (`"CPU"`, `"Meta"`, ...). The libraries are kept for the process.
+pub fn register_kernel<K: NativeKernel>(
+    torch: &'static Torch,
+    ns: &str,
+    dispatch_keys: &[&str],
+) -> Result<()> {
+    super::Library::fragment(torch, ns)?.define(&K::SIGNATURE)?;
+    for key in dispatch_keys {
+        let lib = super::Library::implementation(torch, ns, key)?;
+        // SAFETY: the op was just defined from K's signature (a definition by anyone else would
+        // have made define() fail), which is what boxed_kernel::<K> decodes the stack with.
+        unsafe { lib.register(K::SIGNATURE.name(), boxed_kernel::<K>) }?;
+    }
+    Ok(())
+}
+
 /// # Safety
 ///
 /// As [`run_boxed`].

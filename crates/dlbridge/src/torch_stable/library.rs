@@ -10,6 +10,9 @@ use super::kernel::OpSignature;
 use super::sys::{BoxedKernel, TorchLibraryHandle, TorchLibraryOpaque};
 use super::{EXTENSION_ABI_VERSION, Error, Result, Torch};
 
+/// Every library handle made, never deleted (see [`Library`]).
+static KEPT: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
 /// A `torch::Library` (a namespace's definitions, or its kernels for one dispatch key) made
 /// through `aoti_torch_library_init_*`. Its handle is never deleted: deleting it would
 /// de-register every definition and kernel it registered, so they last for the process (as
@@ -83,6 +86,8 @@ impl Library {
         torch.check(code, function)?;
         let handle = NonNull::new(h)
             .ok_or_else(|| Error::Call { function, message: "returned no library handle".into() })?;
+        // Kept for the process, reachable (a leak checker sees it held, not lost).
+        KEPT.lock().unwrap_or_else(|e| e.into_inner()).push(handle.as_ptr() as usize);
         Ok(Self { handle, torch, namespace: ns.to_owned(), dispatch_key: key.map(str::to_owned) })
     }
 

@@ -10,7 +10,7 @@
 //! With it, a Rust kernel is a torch operator: [`Library`] declares a namespace and an op's
 //! schema and registers boxed kernels for a dispatch key (`"CPU"`, `"Meta"`, ...); a kernel is an
 //! `unsafe extern "C-unwind" fn(*mut StableIValue, u64, u64)` whose body runs through
-//! [`run_boxed`], which takes the arguments off torch's stack as owned values ([`Value`],
+//! [`run_boxed`] ([`NativeKernel`] and [`register_kernel`] make and register one safely), which takes the arguments off torch's stack as owned values ([`Value`],
 //! [`Tensor`]), catches panics, and reports an error to torch the documented way (a C++
 //! exception thrown by `aoti_torch_check` once every handle it held is freed: Python sees a
 //! `RuntimeError`). [`Tensor`] is an owning `AtenTensorHandle` read through the stable
@@ -19,28 +19,24 @@
 //! kernel.
 //!
 //! ```no_run
-//! use dlbridge::torch_stable::{ArgKind, Library, OpSignature, Torch, Value, run_boxed};
-//! use dlbridge::torch_stable::sys::StableIValue;
+//! use dlbridge::torch_stable::{
+//!     ArgKind, Args, KernelError, NativeKernel, OpSignature, Outputs, Torch, Value, register_kernel,
+//! };
 //!
-//! const NEG: OpSignature = OpSignature::new("neg_f32", &[("x", ArgKind::Tensor)], &[ArgKind::Tensor]);
-//!
-//! unsafe extern "C-unwind" fn neg_cpu(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
-//!     // SAFETY: torch calls this with the stack of an op of schema NEG (registered below).
-//!     unsafe {
-//!         run_boxed(stack, num_args, num_outputs, &NEG, |args, out| {
-//!             let x = args.tensor(0)?;
-//!             let y = x.torch().empty_like_contiguous(x)?;
-//!             // ... compute into y through y.data_ptr() ...
-//!             out.set(0, Value::Tensor(y))
-//!         })
+//! /// `my_ns::neg_f32(Tensor x) -> Tensor`.
+//! struct Neg;
+//! impl NativeKernel for Neg {
+//!     const SIGNATURE: OpSignature = OpSignature::new("neg_f32", &[("x", ArgKind::Tensor)], &[ArgKind::Tensor]);
+//!     fn run(args: &mut Args, out: &mut Outputs) -> Result<(), KernelError> {
+//!         let x = args.tensor(0)?;
+//!         let y = x.torch().empty_like_contiguous(x)?;
+//!         // ... compute into y through y.data_ptr() ...
+//!         out.set(0, Value::Tensor(y))
 //!     }
 //! }
 //!
 //! let torch = Torch::attach()?; // the libtorch the process has (after `import torch`)
-//! let lib = Library::fragment(torch, "my_ns")?;
-//! lib.define(&NEG)?;
-//! // SAFETY: neg_cpu decodes the stack with NEG, the signature the op was just defined from.
-//! unsafe { Library::implementation(torch, "my_ns", "CPU")?.register(NEG.name(), neg_cpu)? };
+//! register_kernel::<Neg>(torch, "my_ns", &["CPU"])?; // torch.ops.my_ns.neg_f32
 //! # Ok::<(), dlbridge::torch_stable::Error>(())
 //! ```
 //!
@@ -61,7 +57,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-pub use kernel::{ArgKind, Args, KernelError, OpSignature, Outputs, Value, run_boxed};
+pub use kernel::{
+    ArgKind, Args, KernelError, NativeKernel, OpSignature, Outputs, Value, boxed_kernel, register_kernel,
+    run_boxed,
+};
 pub use library::Library;
 pub use tensor::{DeviceKind, Tensor, TorchDevice};
 
