@@ -461,3 +461,30 @@ fn an_in_place_xla_handler_writes_the_callers_tensor() {
     assert!(unsafe { t.call("dlbridge_test::saxpy_", "", args, &[]) }.unwrap().is_empty());
     assert_eq!(f32s(&wide), [11.0, -1.0, 22.0, -1.0, 33.0, -1.0]);
 }
+
+#[test]
+fn kernels_run_on_many_threads_at_once() {
+    let Some(t) = setup() else { return };
+    static FREED: AtomicUsize = AtomicUsize::new(0);
+    let x = counted(t, &[16], &FREED);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let h = x.new_handle().unwrap();
+            s.spawn(move || {
+                for _ in 0..200 {
+                    let args = vec![Value::Tensor(h.new_handle().unwrap())];
+                    // SAFETY: the arguments and results have the op's schema types.
+                    let y =
+                        one(unsafe { t.call("dlbridge_test::add_one", "", args, &[ArgKind::Tensor]) }
+                            .unwrap());
+                    assert_eq!(f32s(&y)[15], 16.0);
+                    let args = vec![Value::Tensor(h.new_handle().unwrap()), Value::Str("busy".into())];
+                    // SAFETY: as above.
+                    assert!(unsafe { t.call("dlbridge_test::fails", "", args, &[ArgKind::Tensor]) }.is_err());
+                }
+            });
+        }
+    });
+    drop(x);
+    assert_eq!(FREED.load(Ordering::SeqCst), 1);
+}

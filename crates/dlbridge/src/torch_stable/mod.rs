@@ -187,6 +187,9 @@ impl Torch {
     /// Loads the libtorch at `path` (`dlopen(RTLD_NOW | RTLD_LOCAL)`), for a process without
     /// Python's torch: a Rust program or test, a C++ runner. Its static initialisers register
     /// torch's own operators. It stays loaded for the process.
+    ///
+    /// Like [`attach_path`](Self::attach_path), once a torch was found this returns that one,
+    /// whatever `path` says (a process has one libtorch).
     pub fn open(path: &Path) -> Result<&'static Torch> {
         Self::load(path, libc::RTLD_NOW | libc::RTLD_LOCAL)
     }
