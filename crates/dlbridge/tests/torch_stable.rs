@@ -213,6 +213,8 @@ fn the_schema_is_made_from_the_signature() {
 fn add_one_is_a_native_op_called_through_the_dispatcher() {
     let Some(t) = setup() else { return };
     assert!(t.version().starts_with("2."), "{}", t.version());
+    assert!(t.has("aoti_torch_get_sizes") && t.has("aoti_torch_library_impl"));
+    assert!(!t.has("no_such_function"));
     static FREED: AtomicUsize = AtomicUsize::new(0);
     let x = counted(t, &[2, 3], &FREED);
     assert_eq!((x.sizes().unwrap(), x.strides().unwrap()), (vec![2, 3], vec![3, 1]));

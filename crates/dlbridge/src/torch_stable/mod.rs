@@ -241,8 +241,8 @@ impl Torch {
         version_of(&self.syms)
     }
 
-    /// Whether this torch exports the C function `name` (looked up in the table this module
-    /// uses; `false` for a name it does not use).
+    /// Whether this torch exports the C function `name`, one of those this module uses
+    /// ([`sys`]'s table; `false` for any other name).
     pub fn has(&self, name: &str) -> bool {
         self.syms.has(name)
     }
@@ -318,29 +318,6 @@ impl Torch {
             DeviceKind::Cuda => self.codes.cuda.ok_or_else(|| self.missing("aoti_torch_device_type_cuda")),
             DeviceKind::Meta => self.codes.meta.ok_or_else(|| self.missing("aoti_torch_device_type_meta")),
             DeviceKind::Other(c) => Ok(c),
-        }
-    }
-}
-
-impl Symbols {
-    fn has(&self, name: &str) -> bool {
-        // Only the functions a caller may want to probe before choosing a path.
-        match name {
-            "torch_library_impl" => self.torch_library_impl.is_some(),
-            "aoti_torch_library_impl" => self.aoti_torch_library_impl.is_some(),
-            "torch_call_dispatcher" => self.torch_call_dispatcher.is_some(),
-            "aoti_torch_call_dispatcher" => self.aoti_torch_call_dispatcher.is_some(),
-            "aoti_torch_check" => self.aoti_torch_check.is_some(),
-            "torch_exception_get_what_without_backtrace" => {
-                self.torch_exception_get_what_without_backtrace.is_some()
-            }
-            "torch_from_blob" => self.torch_from_blob.is_some(),
-            "torch_new_string_handle" => self.torch_new_string_handle.is_some(),
-            "aoti_torch_library_init_fragment" => self.aoti_torch_library_init_fragment.is_some(),
-            "aoti_torch_library_init_impl" => self.aoti_torch_library_init_impl.is_some(),
-            "aoti_torch_library_def" => self.aoti_torch_library_def.is_some(),
-            "aoti_torch_empty_strided" => self.aoti_torch_empty_strided.is_some(),
-            _ => false,
         }
     }
 }

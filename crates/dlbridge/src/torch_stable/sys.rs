@@ -57,6 +57,14 @@ macro_rules! symbols {
         }
 
         impl Symbols {
+            /// Whether function `name` was found (`false` for a name not in this table).
+            pub(crate) fn has(&self, name: &str) -> bool {
+                match name {
+                    $(stringify!($name) => self.$name.is_some(),)*
+                    _ => false,
+                }
+            }
+
             /// Looks every function up in `handle`.
             ///
             /// # Safety
