@@ -490,3 +490,47 @@ fn kernels_run_on_many_threads_at_once() {
     drop(x);
     assert_eq!(FREED.load(Ordering::SeqCst), 1);
 }
+
+#[test]
+fn an_op_made_at_run_time_gets_a_slot() {
+    let Some(t) = setup() else { return };
+    // As a kernel kit would from a declaration it reads when a module initialises.
+    let name = String::from("saxpy_rt");
+    let params = [("x", ArgKind::Tensor), ("y", ArgKind::Tensor), ("a", ArgKind::Float)];
+    let op = XlaOp::leak(
+        &name,
+        &params,
+        &[ArgKind::Tensor],
+        &[("a", AttrType::F32)],
+        Some(OutRule::Like(0)),
+        saxpy_xla,
+    );
+    dlbridge::torch_stable::xla::register_op(t, NS, op).unwrap();
+    let (x, y) = (filled(t, &[1.0, 2.0]), filled(t, &[3.0, 4.0]));
+    let args = vec![
+        Value::Tensor(x.new_handle().unwrap()),
+        Value::Tensor(y.new_handle().unwrap()),
+        Value::Float(10.0),
+    ];
+    // SAFETY: the arguments and results have the op's schema types.
+    let out = one(unsafe { t.call(&format!("{NS}::{name}"), "", args, &[ArgKind::Tensor]) }.unwrap());
+    assert_eq!(f32s(&out), [13.0, 24.0]);
+    let m = t.empty(&[3], DataType::FLOAT32, TorchDevice::META).unwrap();
+    let args = vec![Value::Tensor(m.new_handle().unwrap()), Value::Tensor(m), Value::Float(1.0)];
+    // SAFETY: as above.
+    let out = one(unsafe { t.call(&format!("{NS}::{name}"), "", args, &[ArgKind::Tensor]) }.unwrap());
+    assert_eq!((out.sizes().unwrap(), out.device().unwrap().kind), (vec![3], DeviceKind::Meta));
+    // Defined once: a second registration of the name is torch's refusal, a mismatched op is ours.
+    let again = XlaOp::leak(
+        &name,
+        &params,
+        &[ArgKind::Tensor],
+        &[("a", AttrType::F32)],
+        Some(OutRule::Like(0)),
+        saxpy_xla,
+    );
+    assert!(matches!(dlbridge::torch_stable::xla::register_op(t, NS, again), Err(Error::Call { .. })));
+    let bad = XlaOp::leak("bad_rt", &params, &[ArgKind::Tensor], &[], Some(OutRule::Like(0)), saxpy_xla);
+    let err = dlbridge::torch_stable::xla::register_op(t, NS, bad).unwrap_err();
+    assert!(matches!(&err, Error::Invalid(m) if m.contains("argument a has no attribute type")), "{err}");
+}

@@ -58,6 +58,19 @@ impl OpSignature {
         Self { name, args, rets }
     }
 
+    /// An op signature made at run time (e.g. from a kernel's declaration when a module
+    /// initialises): the name and argument names are leaked, once per op, for the process (as
+    /// the op they define lives that long).
+    pub fn leak(name: &str, args: &[(&str, ArgKind)], rets: &[ArgKind]) -> Self {
+        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
+        let args: Vec<(&'static str, ArgKind)> = args.iter().map(|&(n, k)| (leak(n), k)).collect();
+        Self {
+            name: leak(name),
+            args: Box::leak(args.into_boxed_slice()),
+            rets: Box::leak(rets.to_vec().into_boxed_slice()),
+        }
+    }
+
     /// The op's name (without namespace).
     pub const fn name(&self) -> &'static str {
         self.name

@@ -18,10 +18,12 @@
 
 use std::ffi::{CStr, CString, c_void};
 use std::ptr::null_mut;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::kernel::{ArgKind, Args, KernelError, OpSignature, Outputs, Value, run_boxed};
 use super::library::Library;
-use super::sys::StableIValue;
+use super::sys::{BoxedKernel, StableIValue};
 use super::{Error, Result, Tensor, Torch, TorchDevice};
 use crate::DataType;
 use crate::xla_ffi::*;
@@ -107,6 +109,26 @@ pub struct XlaOp {
 }
 
 impl XlaOp {
+    /// An op made at run time, for [`register_op`]: its names are leaked, once per op, for the
+    /// process (see [`OpSignature::leak`]).
+    pub fn leak(
+        name: &str,
+        args: &[(&str, ArgKind)],
+        rets: &[ArgKind],
+        attrs: &[(&str, AttrType)],
+        out: Option<OutRule>,
+        handler: XLA_FFI_Handler,
+    ) -> Self {
+        let attrs: Vec<(&'static str, AttrType)> =
+            attrs.iter().map(|&(n, t)| (&*Box::leak(n.to_owned().into_boxed_str()), t)).collect();
+        Self {
+            signature: OpSignature::leak(name, args, rets),
+            attrs: Box::leak(attrs.into_boxed_slice()),
+            out,
+            handler,
+        }
+    }
+
     /// Checks that the parts agree: every scalar argument has its attribute type (of the same
     /// schema kind), every result is a tensor the rule makes, and `Like` names a tensor argument.
     pub fn validate(&self) -> Result<()> {
@@ -182,7 +204,7 @@ pub unsafe extern "C-unwind" fn cpu_kernel<O: NativeOp>(
     unsafe { run_xla(&O::OP, stack, num_args, num_outputs) }
 }
 
-/// The boxed Meta kernel of `O`: its output rule on the meta device.
+/// The boxed Meta kernel of `O`: [`run_meta`].
 ///
 /// # Safety
 ///
@@ -192,7 +214,17 @@ pub unsafe extern "C-unwind" fn meta_kernel<O: NativeOp>(
     num_args: u64,
     num_outputs: u64,
 ) {
-    let op = &O::OP;
+    // SAFETY: the caller's contract.
+    unsafe { run_meta(&O::OP, stack, num_args, num_outputs) }
+}
+
+/// Runs `op`'s output rule over torch's boxed stack on the meta device (its Meta kernel): fake
+/// tensors and `torch.compile` get the outputs' shapes and dtypes without Python.
+///
+/// # Safety
+///
+/// Torch's boxed-kernel contract for an op of schema `op.signature.schema()` ([`run_boxed`]).
+pub unsafe fn run_meta(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
     // SAFETY: the caller's contract.
     unsafe {
         run_boxed(stack, num_args, num_outputs, &op.signature, |args, outs| {
@@ -217,6 +249,89 @@ pub fn register<O: NativeOp>(torch: &'static Torch, ns: &str) -> Result<()> {
     unsafe {
         Library::implementation(torch, ns, "CPU")?.register(name, cpu_kernel::<O>)?;
         Library::implementation(torch, ns, "Meta")?.register(name, meta_kernel::<O>)
+    }
+}
+
+/// How many ops [`register_op`] can register in one process.
+pub const RUNTIME_SLOTS: usize = 256;
+
+/// The ops [`register_op`] registered, by slot: slot `I`'s kernels are `slot_cpu::<I>` and
+/// `slot_meta::<I>` (a boxed kernel has no context pointer, so each slot is its own function).
+static SLOTS: [OnceLock<XlaOp>; RUNTIME_SLOTS] = [const { OnceLock::new() }; RUNTIME_SLOTS];
+static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+/// The op in slot `I` (set before its kernels were registered, never changed).
+#[inline]
+fn slot(i: usize) -> &'static XlaOp {
+    match SLOTS[i].get() {
+        Some(op) => op,
+        None => {
+            // Unreachable: a slot's kernels are registered only after the slot is set.
+            eprintln!("dlbridge: a torch_stable runtime slot ran before it was set");
+            std::process::abort()
+        }
+    }
+}
+
+unsafe extern "C-unwind" fn slot_cpu<const I: usize>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: torch calls the kernel registered for slot I's op, defined from its signature.
+    unsafe { run_xla(slot(I), stack, num_args, num_outputs) }
+}
+
+unsafe extern "C-unwind" fn slot_meta<const I: usize>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: as slot_cpu.
+    unsafe { run_meta(slot(I), stack, num_args, num_outputs) }
+}
+
+macro_rules! slot_table {
+    ($f:ident; $($i:literal)*) => { [$($f::<$i> as BoxedKernel),*] };
+}
+macro_rules! slots {
+    ($f:ident) => {
+        slot_table!($f;
+            0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+            32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63
+            64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95
+            96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120 121 122 123 124 125 126 127
+            128 129 130 131 132 133 134 135 136 137 138 139 140 141 142 143 144 145 146 147 148 149 150 151 152 153 154 155 156 157 158 159
+            160 161 162 163 164 165 166 167 168 169 170 171 172 173 174 175 176 177 178 179 180 181 182 183 184 185 186 187 188 189 190 191
+            192 193 194 195 196 197 198 199 200 201 202 203 204 205 206 207 208 209 210 211 212 213 214 215 216 217 218 219 220 221 222 223
+            224 225 226 227 228 229 230 231 232 233 234 235 236 237 238 239 240 241 242 243 244 245 246 247 248 249 250 251 252 253 254 255)
+    };
+}
+static SLOT_CPU: [BoxedKernel; RUNTIME_SLOTS] = slots!(slot_cpu);
+static SLOT_META: [BoxedKernel; RUNTIME_SLOTS] = slots!(slot_meta);
+
+/// [`register`] for an op made at run time (e.g. from a kernel declared when an extension module
+/// initialises: its names leaked to `'static`, see [`OpSignature::leak`]): defines it in
+/// namespace `ns` and registers its CPU and Meta kernels through one of [`RUNTIME_SLOTS`]
+/// per-process slots. [`Error::Invalid`] once they are used up, or for an op that does not
+/// [`validate`](XlaOp::validate). A slot stays taken if torch then refuses the op.
+pub fn register_op(torch: &'static Torch, ns: &str, op: XlaOp) -> Result<()> {
+    op.validate()?;
+    let i = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
+    if i >= RUNTIME_SLOTS {
+        return Err(Error::Invalid(format!(
+            "{}: every one of the {RUNTIME_SLOTS} runtime op slots is taken",
+            op.signature.name()
+        )));
+    }
+    let op = SLOTS[i].get_or_init(|| op);
+    let name = op.signature.name();
+    Library::fragment(torch, ns)?.define(&op.signature)?;
+    // SAFETY: the op was just defined from slot i's signature (a definition by anyone else would
+    // have made define() fail), which is what slot i's kernels decode the stack with.
+    unsafe {
+        Library::implementation(torch, ns, "CPU")?.register(name, SLOT_CPU[i])?;
+        Library::implementation(torch, ns, "Meta")?.register(name, SLOT_META[i])
     }
 }
 
