@@ -53,16 +53,21 @@ $(DEMO_STAMP): $(STAMP) $(DEMO_SOURCES)
 	@cd examples/kernels && $(call QUIET_MATURIN)
 	@touch $@
 
-# Everything the tests import: the demo's build and examples/bridges.
+# Everything the tests import: the demo's build, examples/bridges and examples/torch_native.
 develop: $(DEMO_STAMP) ## build dlbridge and every example extension into .venv (editable)
 	@cd examples/bridges && $(call QUIET_MATURIN)
+	@cd examples/torch_native && $(call QUIET_MATURIN)
 
 lint: $(STAMP) ## cargo fmt --check and clippy -D warnings
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
+# The torch_stable tests load the venv's libtorch (DLBRIDGE_TORCH_DIR, torch's package folder);
+# DLBRIDGE_REQUIRE_TORCH=1 makes its absence a failure, never a silent skip.
 rust-test: $(STAMP) ## every Rust test, all features
-	DLBRIDGE_REQUIRE_XLA_HEADERS=1 $(CARGO) test --workspace --all-features
+	DLBRIDGE_REQUIRE_XLA_HEADERS=1 DLBRIDGE_REQUIRE_TORCH=1 \
+	  DLBRIDGE_TORCH_DIR="$$($(PY) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
+	  $(CARGO) test --workspace --all-features
 
 # Miri (default Stacked Borrows) over the crate's core: every unit, integration and doc test of
 # everything that does not call into libpython (managed, export, view, layout, ndarray, dtype,
@@ -97,7 +102,7 @@ valgrind: develop ## Rust tests and embedded Python under valgrind memcheck
 
 # The Python tests ship inside the package: run them the way a user would, from outside the tree.
 py-test: develop ## the Python tests (shipped suite, examples, README and guide, downstream crates)
-	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/examples/kernels/tests $(CURDIR)/examples/bridges/tests $(CURDIR)/tests
+	cd /tmp && $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge $(CURDIR)/examples/scale/tests $(CURDIR)/examples/kernels/tests $(CURDIR)/examples/bridges/tests $(CURDIR)/examples/torch_native/tests $(CURDIR)/tests
 	@echo "The shipped suite again, as if no array library were installed (it must skip, not fail):"
 	cd /tmp && DLBRIDGE_TEST_WITHOUT=numpy,torch,jax,tensorflow,pyarrow,array_api_strict,ml_dtypes,tvm_ffi \
 	  $(PY) -m pytest -q -p no:cacheprovider --pyargs dlbridge

@@ -29,7 +29,8 @@
 //! [`ffi`] (the raw ABI), [`layout`] (the overflow-checked stride arithmetic), [`borrow`] (the
 //! borrow registry), [`export`], `ndarray` (feature `ndarray`: views and export) and
 //! [`bridges`] (features `faer`, `nalgebra`, `arrow`, `image`, `candle`, `cudarc`: a table of what
-//! each does).
+//! each does), `torch_stable` (feature `torch-stable`: kernels as native torch ops through torch's
+//! stable C ABI, found at run time).
 //!
 //! A PyO3 kernel's `use` lines (features `python` and `ndarray`, `pyo3 = "0.30"`):
 //!
@@ -66,6 +67,8 @@ pub mod shm;
 #[cfg(all(feature = "shm", target_os = "linux"))]
 mod shm_registry;
 pub mod spec;
+#[cfg(all(feature = "torch-stable", unix))]
+pub mod torch_stable;
 mod view;
 pub mod xla;
 pub mod xla_ffi;

@@ -1,0 +1,690 @@
+//! Boxed kernels: an op's signature, its arguments taken off torch's stack, its outputs put on,
+//! errors thrown to torch; and boxed dispatcher calls.
+
+use std::any::Any;
+use std::ffi::{CString, c_char};
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use super::sys::{AtenTensorHandle, StableIValue, StringHandle};
+use super::{EXTENSION_ABI_VERSION, Error, Result, Tensor, Torch};
+
+/// The type of an op's argument or result, as the schema says it and the stack encodes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ArgKind {
+    /// `Tensor`: an owning handle.
+    Tensor,
+    /// `Tensor(a!)`: a tensor the op writes in place (the schema marks it, so torch's
+    /// functionalization and version counters see the write). Arguments only.
+    TensorMut,
+    /// `int`: 64 bits.
+    Int,
+    /// `float`: an f64.
+    Float,
+    /// `bool`.
+    Bool,
+    /// `str`: a `std::string` handle (torch 2.10+). Arguments only.
+    Str,
+}
+
+impl ArgKind {
+    fn schema_type(self) -> &'static str {
+        match self {
+            Self::Tensor | Self::TensorMut => "Tensor",
+            Self::Int => "int",
+            Self::Float => "float",
+            Self::Bool => "bool",
+            Self::Str => "str",
+        }
+    }
+}
+
+/// An op's name, arguments and results: its schema ([`OpSignature::schema`]), and what
+/// [`run_boxed`] decodes the stack with, so the two agree by construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpSignature {
+    name: &'static str,
+    args: &'static [(&'static str, ArgKind)],
+    rets: &'static [ArgKind],
+}
+
+impl OpSignature {
+    /// Op `name` taking `args` (name, kind) and returning `rets`.
+    pub const fn new(
+        name: &'static str,
+        args: &'static [(&'static str, ArgKind)],
+        rets: &'static [ArgKind],
+    ) -> Self {
+        Self { name, args, rets }
+    }
+
+    /// An op signature made at run time (e.g. from a kernel's declaration when a module
+    /// initialises): the name and argument names are leaked, once per op, for the process (as
+    /// the op they define lives that long).
+    pub fn leak(name: &str, args: &[(&str, ArgKind)], rets: &[ArgKind]) -> Self {
+        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
+        let args: Vec<(&'static str, ArgKind)> = args.iter().map(|&(n, k)| (leak(n), k)).collect();
+        Self {
+            name: leak(name),
+            args: Box::leak(args.into_boxed_slice()),
+            rets: Box::leak(rets.to_vec().into_boxed_slice()),
+        }
+    }
+
+    /// The op's name (without namespace).
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The arguments.
+    pub const fn args(&self) -> &'static [(&'static str, ArgKind)] {
+        self.args
+    }
+
+    /// The results.
+    pub const fn rets(&self) -> &'static [ArgKind] {
+        self.rets
+    }
+
+    /// The schema string torch parses: `name(Tensor x, Tensor(a!) y, float a) -> Tensor`
+    /// (mutated tensors get alias sets `a`, `b`, ... in order; no results is `-> ()`, several a
+    /// tuple). [`Error::Invalid`] for a result of kind `TensorMut` or `Str`, more than 26 mutated
+    /// tensors, or a name that is not an identifier.
+    pub fn schema(&self) -> Result<String> {
+        let ident = |what: &str, s: &str| {
+            let ok = s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if ok { Ok(()) } else { Err(Error::Invalid(format!("{what}: {s:?} is not an identifier"))) }
+        };
+        ident("op name", self.name)?;
+        let mut alias = b'a';
+        let mut args = Vec::with_capacity(self.args.len());
+        for &(name, kind) in self.args {
+            ident("argument name", name)?;
+            if kind == ArgKind::TensorMut {
+                if alias > b'z' {
+                    return Err(Error::Invalid(format!("{}: more than 26 mutated tensors", self.name)));
+                }
+                args.push(format!("Tensor({}!) {name}", alias as char));
+                alias += 1;
+            } else {
+                args.push(format!("{} {name}", kind.schema_type()));
+            }
+        }
+        if let Some(k) = self.rets.iter().find(|k| matches!(k, ArgKind::TensorMut | ArgKind::Str)) {
+            return Err(Error::Invalid(format!(
+                "{}: a result of kind {k:?} (Tensor, int, float, bool only)",
+                self.name
+            )));
+        }
+        let rets: Vec<&str> = self.rets.iter().map(|k| k.schema_type()).collect();
+        let rets = match rets.len() {
+            1 => rets[0].to_owned(),
+            _ => format!("({})", rets.join(", ")),
+        };
+        Ok(format!("{}({}) -> {rets}", self.name, args.join(", ")))
+    }
+}
+
+/// An argument or result, owned.
+#[derive(Debug)]
+pub enum Value {
+    /// A tensor (an owning handle).
+    Tensor(Tensor),
+    /// An `int`.
+    Int(i64),
+    /// A `float`.
+    Float(f64),
+    /// A `bool`.
+    Bool(bool),
+    /// A `str`.
+    Str(String),
+}
+
+impl Value {
+    fn kind_name(&self) -> &'static str {
+        match self {
+            Self::Tensor(_) => "Tensor",
+            Self::Int(_) => "int",
+            Self::Float(_) => "float",
+            Self::Bool(_) => "bool",
+            Self::Str(_) => "str",
+        }
+    }
+}
+
+/// Why a kernel failed: the message torch raises (`RuntimeError` in Python), after the op's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelError(pub String);
+
+impl fmt::Display for KernelError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for KernelError {}
+
+impl From<Error> for KernelError {
+    fn from(e: Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+impl From<String> for KernelError {
+    fn from(s: String) -> Self {
+        Self(s)
+    }
+}
+
+impl From<&str> for KernelError {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+impl From<crate::xla::FfiError> for KernelError {
+    fn from(e: crate::xla::FfiError) -> Self {
+        Self(e.message().to_owned())
+    }
+}
+
+/// A kernel's arguments, taken off torch's stack (owned: dropped tensors are deleted once).
+#[derive(Debug)]
+pub struct Args {
+    sig: &'static [(&'static str, ArgKind)],
+    values: Vec<Option<Value>>,
+}
+
+impl Args {
+    /// The number of arguments.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Whether the op takes no arguments.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    fn get(&self, i: usize, want: &str) -> Result<&Value, KernelError> {
+        match self.values.get(i) {
+            Some(Some(v)) => Ok(v),
+            Some(None) => Err(KernelError(format!("argument {}: already taken", self.sig[i].0))),
+            None => Err(KernelError(format!("no argument {i} ({want}); the op takes {}", self.values.len()))),
+        }
+    }
+
+    #[cold]
+    fn wrong(&self, i: usize, want: &str, got: &Value) -> KernelError {
+        KernelError(format!("argument {}: a {}, not a {want}", self.sig[i].0, got.kind_name()))
+    }
+
+    /// Tensor argument `i`, borrowed.
+    pub fn tensor(&self, i: usize) -> Result<&Tensor, KernelError> {
+        match self.get(i, "Tensor")? {
+            Value::Tensor(t) => Ok(t),
+            v => Err(self.wrong(i, "Tensor", v)),
+        }
+    }
+
+    /// Tensor argument `i`, taken (to return it as an output without a new handle).
+    pub fn take_tensor(&mut self, i: usize) -> Result<Tensor, KernelError> {
+        self.tensor(i)?;
+        match self.values[i].take() {
+            Some(Value::Tensor(t)) => Ok(t),
+            _ => unreachable!("checked just above"),
+        }
+    }
+
+    /// `int` argument `i`.
+    pub fn int(&self, i: usize) -> Result<i64, KernelError> {
+        match self.get(i, "int")? {
+            &Value::Int(v) => Ok(v),
+            v => Err(self.wrong(i, "int", v)),
+        }
+    }
+
+    /// `float` argument `i`.
+    pub fn float(&self, i: usize) -> Result<f64, KernelError> {
+        match self.get(i, "float")? {
+            &Value::Float(v) => Ok(v),
+            v => Err(self.wrong(i, "float", v)),
+        }
+    }
+
+    /// `bool` argument `i`.
+    pub fn bool(&self, i: usize) -> Result<bool, KernelError> {
+        match self.get(i, "bool")? {
+            &Value::Bool(v) => Ok(v),
+            v => Err(self.wrong(i, "bool", v)),
+        }
+    }
+
+    /// `str` argument `i`.
+    pub fn str(&self, i: usize) -> Result<&str, KernelError> {
+        match self.get(i, "str")? {
+            Value::Str(v) => Ok(v),
+            v => Err(self.wrong(i, "str", v)),
+        }
+    }
+}
+
+/// A kernel's outputs, held until the body succeeds, then put on torch's stack (dropped, so
+/// deleted, when it fails).
+#[derive(Debug)]
+pub struct Outputs {
+    kinds: &'static [ArgKind],
+    values: Vec<Option<Value>>,
+}
+
+impl Outputs {
+    /// Sets output `i` (of the kind the signature declares).
+    pub fn set(&mut self, i: usize, value: Value) -> Result<(), KernelError> {
+        let Some(&kind) = self.kinds.get(i) else {
+            return Err(KernelError(format!("no output {i}: the op returns {}", self.kinds.len())));
+        };
+        let ok = matches!(
+            (kind, &value),
+            (ArgKind::Tensor, Value::Tensor(_))
+                | (ArgKind::Int, Value::Int(_))
+                | (ArgKind::Float, Value::Float(_))
+                | (ArgKind::Bool, Value::Bool(_))
+        );
+        if !ok {
+            return Err(KernelError(format!("output {i}: a {}, not a {kind:?}", value.kind_name())));
+        }
+        self.values[i] = Some(value);
+        Ok(())
+    }
+}
+
+/// Runs a boxed kernel's `body` over torch's stack: what an `unsafe extern "C-unwind" fn(*mut
+/// StableIValue, u64, u64)` registered with [`Library::register`](super::Library::register) calls.
+///
+/// It takes every argument off the stack as `signature` declares them (tensors as owning
+/// [`Tensor`]s, strings copied and their handles freed), runs `body` (a panic is caught), puts the
+/// outputs on the stack, and on any failure (a count that does not match `signature`, a NULL
+/// tensor, the body's error or panic, an output left unset) drops everything it holds, then
+/// throws the message to torch through `aoti_torch_check`: Python sees `RuntimeError:
+/// <op>: <message>`, a dispatcher call from C returns an error code. The throw passes through
+/// the kernel's frame, which is why it is `C-unwind`; it needs `panic = "unwind"` (the default).
+///
+/// # Safety
+///
+/// Called by torch's boxed kernel wrapper for an op whose schema is `signature.schema()`:
+/// `stack` points to `max(num_args, num_outputs)` entries, the first `num_args` the op's arguments
+/// as torch encodes them (owned by the callee). Torch's libtorch is [`Torch::get`]'s (the kernel
+/// was registered through it).
+pub unsafe fn run_boxed<F>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+    signature: &OpSignature,
+    body: F,
+) where
+    F: FnOnce(&mut Args, &mut Outputs) -> Result<(), KernelError>,
+{
+    let Some(torch) = Torch::get() else { no_torch() };
+    let run = || -> Result<(), KernelError> {
+        // SAFETY: the caller's contract.
+        let mut args = unsafe { take_args(torch, stack, num_args, num_outputs, signature) }?;
+        let mut outs =
+            Outputs { kinds: signature.rets, values: (0..signature.rets.len()).map(|_| None).collect() };
+        body(&mut args, &mut outs)?;
+        drop(args);
+        // SAFETY: the stack has room for num_outputs == rets.len() entries (checked in take_args).
+        unsafe { put_outputs(stack, outs) }
+    };
+    let failure = match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e,
+        Err(panic) => KernelError(format!("panicked: {}", panic_message(&*panic))),
+    };
+    // Everything the kernel held is dropped by now; the throw happens outside catch_unwind (a
+    // foreign exception caught there is unspecified behaviour).
+    throw(torch, signature.name, &failure)
+}
+
+/// A kernel known at compile time: its op's signature and body. [`register_kernel`] defines the
+/// op and registers [`boxed_kernel::<Self>`](boxed_kernel) for dispatch keys, safely (the kernel
+/// decodes the stack with the signature the op was defined from).
+pub trait NativeKernel: 'static {
+    /// The op's name, arguments and results.
+    const SIGNATURE: OpSignature;
+
+    /// The body (see [`run_boxed`]).
+    fn run(args: &mut Args, outs: &mut Outputs) -> Result<(), KernelError>;
+}
+
+/// The boxed kernel of `K`: [`run_boxed`] with `K`'s signature and body.
+///
+/// # Safety
+///
+/// As [`run_boxed`], for an op of schema `K::SIGNATURE.schema()`.
+pub unsafe extern "C-unwind" fn boxed_kernel<K: NativeKernel>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { run_boxed(stack, num_args, num_outputs, &K::SIGNATURE, K::run) }
+}
+
+/// Defines `K`'s op in namespace `ns` and registers its kernel for each of `dispatch_keys`
+/// (`"CPU"`, `"Meta"`, ...). The libraries are kept for the process.
+pub fn register_kernel<K: NativeKernel>(
+    torch: &'static Torch,
+    ns: &str,
+    dispatch_keys: &[&str],
+) -> Result<()> {
+    super::Library::fragment(torch, ns)?.define(&K::SIGNATURE)?;
+    for key in dispatch_keys {
+        let lib = super::Library::implementation(torch, ns, key)?;
+        // SAFETY: the op was just defined from K's signature (a definition by anyone else would
+        // have made define() fail), which is what boxed_kernel::<K> decodes the stack with.
+        unsafe { lib.register(K::SIGNATURE.name(), boxed_kernel::<K>) }?;
+    }
+    Ok(())
+}
+
+/// # Safety
+///
+/// As [`run_boxed`].
+unsafe fn take_args(
+    torch: &'static Torch,
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+    sig: &OpSignature,
+) -> Result<Args, KernelError> {
+    if num_args != sig.args.len() as u64 || num_outputs != sig.rets.len() as u64 {
+        // Nothing can be freed without knowing the arguments' kinds: a kernel registered for
+        // another op (a programming error) leaks its arguments, never frees them wrongly.
+        return Err(KernelError(format!(
+            "called with {num_args} arguments and {num_outputs} results; its signature has {} and {}",
+            sig.args.len(),
+            sig.rets.len()
+        )));
+    }
+    if stack.is_null() && (num_args > 0 || num_outputs > 0) {
+        return Err(KernelError("a NULL stack".into()));
+    }
+    let mut values = Vec::with_capacity(sig.args.len());
+    let mut first_error: Option<KernelError> = None;
+    for (i, &(name, kind)) in sig.args.iter().enumerate() {
+        // SAFETY: entry i < num_args of torch's stack.
+        let raw = unsafe { stack.add(i).read() };
+        let v = match kind {
+            ArgKind::Tensor | ArgKind::TensorMut => {
+                // SAFETY: a Tensor argument is a new owning handle (torch's from_ivalue).
+                match unsafe { Tensor::from_raw(torch, raw as usize as AtenTensorHandle) } {
+                    Some(t) => Some(Value::Tensor(t)),
+                    None => {
+                        first_error
+                            .get_or_insert_with(|| KernelError(format!("argument {name}: a NULL tensor")));
+                        None
+                    }
+                }
+            }
+            ArgKind::Int => Some(Value::Int(raw as i64)),
+            ArgKind::Float => Some(Value::Float(f64::from_bits(raw))),
+            ArgKind::Bool => Some(Value::Bool(raw.to_ne_bytes()[0] != 0)),
+            // SAFETY: a str argument is an owning std::string handle.
+            ArgKind::Str => match unsafe { take_string(torch, raw as usize as StringHandle) } {
+                Ok(s) => Some(Value::Str(s)),
+                Err(e) => {
+                    first_error.get_or_insert_with(|| KernelError(format!("argument {name}: {e}")));
+                    None
+                }
+            },
+        };
+        values.push(v);
+    }
+    // Every owning argument is now held (and freed by the drop) before any error returns.
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(Args { sig: sig.args, values }),
+    }
+}
+
+/// Copies and frees an owning string handle.
+///
+/// # Safety
+///
+/// `h` is NULL or an owning `StringHandle` of `torch` nothing else frees.
+unsafe fn take_string(torch: &Torch, h: StringHandle) -> Result<String> {
+    if h.is_null() {
+        return Err(Error::Invalid("a NULL string".into()));
+    }
+    let delete = torch.need(torch.syms.torch_delete_string, "torch_delete_string")?;
+    let read = || -> Result<String> {
+        let len_f = torch.need(torch.syms.torch_string_length, "torch_string_length")?;
+        let data_f = torch.need(torch.syms.torch_string_c_str, "torch_string_c_str")?;
+        let (mut len, mut data): (usize, *const c_char) = (0, std::ptr::null());
+        // SAFETY: a live string handle and places for the results.
+        torch.check(unsafe { len_f(h, &mut len) }, "torch_string_length")?;
+        // SAFETY: as above.
+        torch.check(unsafe { data_f(h, &mut data) }, "torch_string_c_str")?;
+        if len == 0 {
+            return Ok(String::new());
+        }
+        if data.is_null() {
+            return Err(Error::Invalid("a string without bytes".into()));
+        }
+        // SAFETY: the string's `len` bytes, alive until it is deleted below.
+        let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) };
+        String::from_utf8(bytes.to_vec()).map_err(|e| Error::Invalid(format!("not UTF-8 ({e})")))
+    };
+    let s = read();
+    // SAFETY: the owning handle, freed once, after its bytes were copied.
+    let _ = unsafe { delete(h) };
+    s
+}
+
+/// Puts the outputs on the stack, all or none (an unset one fails before anything is written).
+///
+/// # Safety
+///
+/// `stack` has room for `outs.kinds.len()` entries.
+unsafe fn put_outputs(stack: *mut StableIValue, outs: Outputs) -> Result<(), KernelError> {
+    if let Some(i) = outs.values.iter().position(Option::is_none) {
+        return Err(KernelError(format!("output {i} was not set")));
+    }
+    for (i, v) in outs.values.into_iter().enumerate() {
+        let raw = match v.expect("checked above") {
+            Value::Tensor(t) => t.into_raw() as usize as u64,
+            Value::Int(v) => v as u64,
+            Value::Float(v) => v.to_bits(),
+            Value::Bool(v) => bool_word(v),
+            Value::Str(_) => unreachable!("Outputs::set refuses str"),
+        };
+        // SAFETY: entry i < num_outputs of torch's stack; torch takes the handle.
+        unsafe { stack.add(i).write(raw) };
+    }
+    Ok(())
+}
+
+/// A bool as the stack holds it: one byte at the u64's lowest address (torch memcpy's it into
+/// a zeroed word).
+fn bool_word(v: bool) -> StableIValue {
+    let mut b = [0u8; 8];
+    b[0] = v as u8;
+    u64::from_ne_bytes(b)
+}
+
+fn panic_message(p: &(dyn Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+/// Throws `op: message` to torch as a `c10::Error` (through `aoti_torch_check`).
+#[cold]
+#[inline(never)]
+fn throw(torch: &Torch, op: &str, e: &KernelError) -> ! {
+    let msg = CString::new(format!("{op}: {}", e.0).replace('\0', "\\0")).expect("NUL bytes replaced");
+    match torch.syms.aoti_torch_check {
+        Some(check) => {
+            // SAFETY: static NUL-terminated strings and the message, alive through the call
+            // (c10::Error copies it). `check(false, ..)` throws: the exception unwinds through
+            // this frame (dropping `msg`) and the kernel's `C-unwind` frame into torch.
+            unsafe {
+                check(
+                    false,
+                    c"dlbridge::torch_stable kernel".as_ptr(),
+                    c"dlbridge/torch_stable".as_ptr(),
+                    0,
+                    msg.as_ptr(),
+                )
+            };
+            eprintln!("dlbridge: aoti_torch_check returned instead of throwing: {}", msg.to_string_lossy());
+        }
+        None => {
+            eprintln!("dlbridge: a kernel failed and this torch cannot be told: {}", msg.to_string_lossy())
+        }
+    }
+    std::process::abort()
+}
+
+#[cold]
+fn no_torch() -> ! {
+    eprintln!("dlbridge: a torch_stable kernel ran before dlbridge found torch (register through Library)");
+    std::process::abort()
+}
+
+impl Torch {
+    /// Calls op `op` (e.g. `"aten::add"`, `"my_ns::my_op"`), overload `overload` (`""` for the
+    /// default) through the dispatcher with `args`, and returns its results decoded as `rets`
+    /// (`torch_call_dispatcher`, or `aoti_torch_call_dispatcher` before torch 2.10).
+    ///
+    /// Torch takes the arguments (tensor handles and strings) once it found the op; when it
+    /// fails before that (no such op) it frees none of them, and which it took is not said, so
+    /// they are leaked rather than risk a double free. An error the op (or its kernel) threw is
+    /// [`Error::Call`] with its message (torch 2.13+).
+    ///
+    /// # Safety
+    ///
+    /// When the op exists, `args` match its schema's arguments one for one (a `Tensor` where it
+    /// takes a `Tensor`, an `Int` for `int`/`SymInt`, ...: torch decodes each word as the schema
+    /// says, and has no way to check) and `rets` its returns. The stack carries no types.
+    pub unsafe fn call(
+        &'static self,
+        op: &str,
+        overload: &str,
+        args: Vec<Value>,
+        rets: &[ArgKind],
+    ) -> Result<Vec<Value>> {
+        let c_op = CString::new(op).map_err(|_| Error::Invalid(format!("op: {op:?} contains a NUL byte")))?;
+        let c_ov = CString::new(overload)
+            .map_err(|_| Error::Invalid(format!("overload: {overload:?} contains a NUL byte")))?;
+        if let Some(k) = rets.iter().find(|k| matches!(k, ArgKind::TensorMut)) {
+            return Err(Error::Invalid(format!("rets: a result of kind {k:?}")));
+        }
+        // Found before anything is encoded, so a missing function leaks nothing.
+        let call_new = self.syms.torch_call_dispatcher;
+        let call_old = match call_new {
+            Some(_) => None,
+            None => Some(self.need(self.syms.aoti_torch_call_dispatcher, "aoti_torch_call_dispatcher")?),
+        };
+        let mut stack: Vec<StableIValue> = vec![0; args.len().max(rets.len())];
+        // Strings first (the only encoding that can fail), so a failure frees what it made.
+        let mut strings: Vec<(usize, StringHandle)> = Vec::new();
+        for (i, v) in args.iter().enumerate() {
+            if let Value::Str(s) = v {
+                match self.new_string(s) {
+                    Ok(h) => strings.push((i, h)),
+                    Err(e) => {
+                        for (_, h) in strings {
+                            // SAFETY: handles made just above, not given to torch.
+                            unsafe { self.delete_string(h) };
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        for (i, h) in strings {
+            stack[i] = h as usize as u64;
+        }
+        for (i, v) in args.into_iter().enumerate() {
+            stack[i] = match v {
+                Value::Tensor(t) => t.into_raw() as usize as u64,
+                Value::Int(v) => v as u64,
+                Value::Float(v) => v.to_bits(),
+                Value::Bool(v) => bool_word(v),
+                Value::Str(_) => stack[i],
+            };
+        }
+        let code = match (call_new, call_old) {
+            // SAFETY: NUL-terminated names and a stack of max(args, rets) entries encoded as the
+            // schema's types (the caller's values; a mismatch is torch's error to report).
+            (Some(f), _) => unsafe {
+                f(c_op.as_ptr(), c_ov.as_ptr(), stack.as_mut_ptr(), EXTENSION_ABI_VERSION)
+            },
+            // SAFETY: as above.
+            (None, Some(f)) => unsafe { f(c_op.as_ptr(), c_ov.as_ptr(), stack.as_mut_ptr()) },
+            (None, None) => unreachable!("one was found above"),
+        };
+        self.check(code, "torch_call_dispatcher")?;
+        let mut out = Vec::with_capacity(rets.len());
+        let mut first_error = None;
+        for (i, &k) in rets.iter().enumerate() {
+            let raw = stack[i];
+            out.push(match k {
+                ArgKind::Tensor => {
+                    // SAFETY: a Tensor result is a new owning handle (torch's from_ivalue).
+                    let t = unsafe { Tensor::from_raw(self, raw as usize as AtenTensorHandle) };
+                    match t {
+                        Some(t) => Value::Tensor(t),
+                        None => {
+                            first_error
+                                .get_or_insert_with(|| Error::Invalid(format!("result {i}: a NULL tensor")));
+                            continue;
+                        }
+                    }
+                }
+                ArgKind::Int => Value::Int(raw as i64),
+                ArgKind::Float => Value::Float(f64::from_bits(raw)),
+                ArgKind::Bool => Value::Bool(raw.to_ne_bytes()[0] != 0),
+                // SAFETY: a str result is an owning string handle.
+                ArgKind::Str => match unsafe { take_string(self, raw as usize as StringHandle) } {
+                    Ok(s) => Value::Str(s),
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                        continue;
+                    }
+                },
+                ArgKind::TensorMut => unreachable!("refused above"),
+            });
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    fn new_string(&self, s: &str) -> Result<StringHandle> {
+        let f = self.need(self.syms.torch_new_string_handle, "torch_new_string_handle")?;
+        self.need(self.syms.torch_delete_string, "torch_delete_string")?;
+        let mut h: StringHandle = std::ptr::null_mut();
+        // SAFETY: `s.len()` bytes (torch copies them) and a place for the handle.
+        let code = unsafe { f(s.as_ptr().cast(), s.len(), &mut h) };
+        self.check(code, "torch_new_string_handle")?;
+        if h.is_null() {
+            return Err(Error::Call { function: "torch_new_string_handle", message: "returned NULL".into() });
+        }
+        Ok(h)
+    }
+
+    /// # Safety
+    ///
+    /// `h` is an owning string handle nothing else frees.
+    unsafe fn delete_string(&self, h: StringHandle) {
+        if let Some(f) = self.syms.torch_delete_string {
+            // SAFETY: the caller's contract.
+            let _ = unsafe { f(h) };
+        }
+    }
+}

@@ -1,0 +1,748 @@
+//! The adapter: a kernel's XLA FFI handler (the body `jax.jit` runs, [`crate::xla_handler!`],
+//! `KernelDef.ffi`) run as a torch op's CPU kernel, so one body serves both.
+//!
+//! The handler's one view of typed buffers and attributes is [`crate::xla::Call`]. For torch,
+//! [`run_xla`] turns the boxed stack into the call frame XLA would have made: each tensor
+//! argument (made C-contiguous when it is not: XLA buffers are dense row-major) becomes an
+//! operand `XLA_FFI_Buffer`, each scalar argument an attribute of the type the handler reads
+//! ([`AttrType`]: a schema `float` passed as an `f32` scalar when the handler reads `f32`), and
+//! each result a buffer torch allocated (`aoti_torch_empty_strided`) from the op's output rule
+//! ([`OutRule`]). A tensor the op writes in place (`Tensor(a!)`) is both an operand and a result
+//! over the same memory, as XLA's `input_output_aliases` pass it (copied back when it was not
+//! contiguous). The handler then runs unchanged, with every check it makes under `jax.jit`, and
+//! its error becomes the op's `RuntimeError`. The frame's API table is dlbridge's own: it makes,
+//! reads and frees errors, and gives the CPU stream (NULL); nothing else is reachable.
+//!
+//! The Meta kernel ([`meta_kernel`]) is the same output rule on the meta device: fake tensors and
+//! `torch.compile` need no Python.
+
+use std::ffi::{CStr, CString, c_void};
+use std::ptr::null_mut;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::kernel::{ArgKind, Args, KernelError, OpSignature, Outputs, Value, run_boxed};
+use super::library::Library;
+use super::sys::{BoxedKernel, StableIValue};
+use super::{Error, Result, Tensor, Torch, TorchDevice};
+use crate::DataType;
+use crate::xla_ffi::*;
+
+/// The type an XLA handler reads an attribute as ([`crate::xla::Call::attr`]); the torch schema
+/// type follows (`float`, `int`, `bool`, `str`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttrType {
+    /// An `f32` scalar (schema `float`, rounded).
+    F32,
+    /// An `f64` scalar (schema `float`).
+    F64,
+    /// An `i32` scalar (schema `int`, range-checked).
+    I32,
+    /// An `i64` scalar (schema `int`).
+    I64,
+    /// A `bool` scalar.
+    Bool,
+    /// A string.
+    Str,
+}
+
+impl AttrType {
+    /// The type a `KernelDef.attrs` numpy name says (`"float32"`, `"float64"`, `"int32"`,
+    /// `"int64"`, `"bool"`, `"str"`), `None` for another.
+    pub fn from_numpy_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "float32" => Self::F32,
+            "float64" => Self::F64,
+            "int32" => Self::I32,
+            "int64" => Self::I64,
+            "bool" => Self::Bool,
+            "str" => Self::Str,
+            _ => return None,
+        })
+    }
+
+    /// The schema argument kind carrying it.
+    pub fn arg_kind(self) -> ArgKind {
+        match self {
+            Self::F32 | Self::F64 => ArgKind::Float,
+            Self::I32 | Self::I64 => ArgKind::Int,
+            Self::Bool => ArgKind::Bool,
+            Self::Str => ArgKind::Str,
+        }
+    }
+}
+
+/// The shape and element type of a tensor, as an output rule sees and makes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The element type.
+    pub dtype: DataType,
+    /// The extents.
+    pub shape: Vec<i64>,
+}
+
+/// How an op's fresh result is shaped (the same rule makes the CPU kernel's result buffer and
+/// the Meta kernel's output).
+#[derive(Debug, Clone, Copy)]
+pub enum OutRule {
+    /// Like tensor argument `i` of the signature (its shape and dtype): `KernelDef.out = Some("x")`.
+    Like(usize),
+    /// Computed from the tensor arguments (in order) and the op's arguments.
+    Fn(fn(&[TensorInfo], &Args) -> Result<Vec<TensorInfo>, KernelError>),
+}
+
+/// An op whose CPU kernel is an XLA FFI handler.
+///
+/// Operands are the signature's tensor arguments in order, attributes its scalar arguments by
+/// name, results the fresh outputs of `out` (the signature's `Tensor` results) followed by the
+/// `Tensor(a!)` arguments, aliased, in order.
+#[derive(Debug, Clone, Copy)]
+pub struct XlaOp {
+    /// The op's name, arguments and results.
+    pub signature: OpSignature,
+    /// The type the handler reads each scalar argument as (by name; every scalar argument once).
+    pub attrs: &'static [(&'static str, AttrType)],
+    /// The rule for the fresh results (`None`: the op only writes its `Tensor(a!)` arguments).
+    pub out: Option<OutRule>,
+    /// The handler.
+    pub handler: XLA_FFI_Handler,
+}
+
+impl XlaOp {
+    /// An op made at run time, for [`register_op`]: its names are leaked, once per op, for the
+    /// process (see [`OpSignature::leak`]).
+    pub fn leak(
+        name: &str,
+        args: &[(&str, ArgKind)],
+        rets: &[ArgKind],
+        attrs: &[(&str, AttrType)],
+        out: Option<OutRule>,
+        handler: XLA_FFI_Handler,
+    ) -> Self {
+        let attrs: Vec<(&'static str, AttrType)> =
+            attrs.iter().map(|&(n, t)| (&*Box::leak(n.to_owned().into_boxed_str()), t)).collect();
+        Self {
+            signature: OpSignature::leak(name, args, rets),
+            attrs: Box::leak(attrs.into_boxed_slice()),
+            out,
+            handler,
+        }
+    }
+
+    /// Checks that the parts agree: every scalar argument has its attribute type (of the same
+    /// schema kind), every result is a tensor the rule makes, and `Like` names a tensor argument.
+    pub fn validate(&self) -> Result<()> {
+        let sig = &self.signature;
+        let bad = |m: String| Err(Error::Invalid(format!("{}: {m}", sig.name())));
+        for &(name, kind) in sig.args() {
+            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+                continue;
+            }
+            match self.attrs.iter().find(|(n, _)| *n == name) {
+                Some(&(_, t)) if t.arg_kind() == kind => {}
+                Some(&(_, t)) => {
+                    return bad(format!("argument {name} is {kind:?} but its attribute type {t:?}"));
+                }
+                None => return bad(format!("argument {name} has no attribute type")),
+            }
+        }
+        if let Some((name, _)) = self.attrs.iter().find(|(n, _)| !sig.args().iter().any(|(a, _)| a == n)) {
+            return bad(format!("attribute {name} is not an argument"));
+        }
+        let tensors =
+            sig.args().iter().filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut)).count();
+        let mutated = sig.args().iter().filter(|(_, k)| *k == ArgKind::TensorMut).count();
+        let scalars = sig.args().len() - tensors;
+        if tensors > MAX_FRAME_ITEMS
+            || scalars > MAX_FRAME_ITEMS
+            || sig.rets().len() + mutated > MAX_FRAME_ITEMS
+        {
+            return bad(format!(
+                "{tensors} tensor arguments, {scalars} scalar arguments, {} results (at most {MAX_FRAME_ITEMS} each)",
+                sig.rets().len() + mutated
+            ));
+        }
+        if sig.rets().iter().any(|&k| k != ArgKind::Tensor) {
+            return bad("results must be tensors".into());
+        }
+        match (self.out, sig.rets().len()) {
+            (None, 0) => {}
+            (None, n) => return bad(format!("{n} results but no output rule")),
+            (Some(OutRule::Like(i)), 1) => {
+                if !matches!(sig.args().get(i), Some((_, ArgKind::Tensor | ArgKind::TensorMut))) {
+                    return bad(format!("the output rule names argument {i}, not a tensor"));
+                }
+            }
+            (Some(OutRule::Like(_)), n) => {
+                return bad(format!("a Like rule makes 1 result, the signature has {n}"));
+            }
+            (Some(OutRule::Fn(_)), _) => {}
+        }
+        Ok(())
+    }
+}
+
+/// An [`XlaOp`] known at compile time: its kernels are [`cpu_kernel::<Self>`](cpu_kernel) and
+/// [`meta_kernel::<Self>`](meta_kernel) (a boxed kernel has no context pointer, so each op is
+/// its own function).
+pub trait NativeOp: 'static {
+    /// The op.
+    const OP: XlaOp;
+}
+
+/// The boxed CPU kernel of `O`: [`run_xla`].
+///
+/// # Safety
+///
+/// Torch's boxed-kernel contract for an op of schema `O::OP.signature.schema()` ([`run_boxed`]).
+pub unsafe extern "C-unwind" fn cpu_kernel<O: NativeOp>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { run_xla(&O::OP, stack, num_args, num_outputs) }
+}
+
+/// The boxed Meta kernel of `O`: [`run_meta`].
+///
+/// # Safety
+///
+/// As [`cpu_kernel`].
+pub unsafe extern "C-unwind" fn meta_kernel<O: NativeOp>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { run_meta(&O::OP, stack, num_args, num_outputs) }
+}
+
+/// Runs `op`'s output rule over torch's boxed stack on the meta device (its Meta kernel): fake
+/// tensors and `torch.compile` get the outputs' shapes and dtypes without Python.
+///
+/// # Safety
+///
+/// Torch's boxed-kernel contract for an op of schema `op.signature.schema()` ([`run_boxed`]).
+pub unsafe fn run_meta(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        run_boxed(stack, num_args, num_outputs, &op.signature, |args, outs| {
+            let infos = tensor_infos(op, args)?;
+            for (i, info) in output_infos(op, &infos, args)?.into_iter().enumerate() {
+                let t = args_torch(args)?.empty(&info.shape, info.dtype, TorchDevice::META)?;
+                outs.set(i, Value::Tensor(t))?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Defines `O`'s op in namespace `ns` and registers its CPU and Meta kernels. The libraries are
+/// kept for the process.
+pub fn register<O: NativeOp>(torch: &'static Torch, ns: &str) -> Result<()> {
+    O::OP.validate()?;
+    let name = O::OP.signature.name();
+    Library::fragment(torch, ns)?.define(&O::OP.signature)?;
+    // SAFETY: the op was just defined from O's signature (a definition by anyone else would
+    // have made define() fail), which is what both kernels decode the stack with.
+    unsafe {
+        Library::implementation(torch, ns, "CPU")?.register(name, cpu_kernel::<O>)?;
+        Library::implementation(torch, ns, "Meta")?.register(name, meta_kernel::<O>)
+    }
+}
+
+/// How many ops [`register_op`] can register in one process.
+pub const RUNTIME_SLOTS: usize = 256;
+
+/// The ops [`register_op`] registered, by slot: slot `I`'s kernels are `slot_cpu::<I>` and
+/// `slot_meta::<I>` (a boxed kernel has no context pointer, so each slot is its own function).
+static SLOTS: [OnceLock<XlaOp>; RUNTIME_SLOTS] = [const { OnceLock::new() }; RUNTIME_SLOTS];
+static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+/// The op in slot `I` (set before its kernels were registered, never changed).
+#[inline]
+fn slot(i: usize) -> &'static XlaOp {
+    match SLOTS[i].get() {
+        Some(op) => op,
+        None => {
+            // Unreachable: a slot's kernels are registered only after the slot is set.
+            eprintln!("dlbridge: a torch_stable runtime slot ran before it was set");
+            std::process::abort()
+        }
+    }
+}
+
+unsafe extern "C-unwind" fn slot_cpu<const I: usize>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: torch calls the kernel registered for slot I's op, defined from its signature.
+    unsafe { run_xla(slot(I), stack, num_args, num_outputs) }
+}
+
+unsafe extern "C-unwind" fn slot_meta<const I: usize>(
+    stack: *mut StableIValue,
+    num_args: u64,
+    num_outputs: u64,
+) {
+    // SAFETY: as slot_cpu.
+    unsafe { run_meta(slot(I), stack, num_args, num_outputs) }
+}
+
+macro_rules! slot_table {
+    ($f:ident; $($i:literal)*) => { [$($f::<$i> as BoxedKernel),*] };
+}
+macro_rules! slots {
+    ($f:ident) => {
+        slot_table!($f;
+            0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+            32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63
+            64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95
+            96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120 121 122 123 124 125 126 127
+            128 129 130 131 132 133 134 135 136 137 138 139 140 141 142 143 144 145 146 147 148 149 150 151 152 153 154 155 156 157 158 159
+            160 161 162 163 164 165 166 167 168 169 170 171 172 173 174 175 176 177 178 179 180 181 182 183 184 185 186 187 188 189 190 191
+            192 193 194 195 196 197 198 199 200 201 202 203 204 205 206 207 208 209 210 211 212 213 214 215 216 217 218 219 220 221 222 223
+            224 225 226 227 228 229 230 231 232 233 234 235 236 237 238 239 240 241 242 243 244 245 246 247 248 249 250 251 252 253 254 255)
+    };
+}
+static SLOT_CPU: [BoxedKernel; RUNTIME_SLOTS] = slots!(slot_cpu);
+static SLOT_META: [BoxedKernel; RUNTIME_SLOTS] = slots!(slot_meta);
+
+/// [`register`] for an op made at run time (e.g. from a kernel declared when an extension module
+/// initialises: its names leaked to `'static`, see [`OpSignature::leak`]): defines it in
+/// namespace `ns` and registers its CPU and Meta kernels through one of [`RUNTIME_SLOTS`]
+/// per-process slots. [`Error::Invalid`] once they are used up, or for an op that does not
+/// [`validate`](XlaOp::validate). A slot stays taken if torch then refuses the op.
+pub fn register_op(torch: &'static Torch, ns: &str, op: XlaOp) -> Result<()> {
+    op.validate()?;
+    let i = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
+    if i >= RUNTIME_SLOTS {
+        return Err(Error::Invalid(format!(
+            "{}: every one of the {RUNTIME_SLOTS} runtime op slots is taken",
+            op.signature.name()
+        )));
+    }
+    let op = SLOTS[i].get_or_init(|| op);
+    let name = op.signature.name();
+    Library::fragment(torch, ns)?.define(&op.signature)?;
+    // SAFETY: the op was just defined from slot i's signature (a definition by anyone else would
+    // have made define() fail), which is what slot i's kernels decode the stack with.
+    unsafe {
+        Library::implementation(torch, ns, "CPU")?.register(name, SLOT_CPU[i])?;
+        Library::implementation(torch, ns, "Meta")?.register(name, SLOT_META[i])
+    }
+}
+
+fn args_torch(args: &Args) -> Result<&'static Torch, KernelError> {
+    let _ = args;
+    Torch::get().ok_or_else(|| KernelError("torch is not loaded".into()))
+}
+
+/// The tensor arguments' shapes and dtypes, in order.
+fn tensor_infos(op: &XlaOp, args: &Args) -> Result<Vec<TensorInfo>, KernelError> {
+    let mut v = Vec::new();
+    for (i, &(_, kind)) in op.signature.args().iter().enumerate() {
+        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            let t = args.tensor(i)?;
+            v.push(TensorInfo { dtype: t.dtype()?, shape: t.sizes()? });
+        }
+    }
+    Ok(v)
+}
+
+fn output_infos(op: &XlaOp, infos: &[TensorInfo], args: &Args) -> Result<Vec<TensorInfo>, KernelError> {
+    match op.out {
+        None => Ok(Vec::new()),
+        Some(OutRule::Like(i)) => {
+            // Argument i is a tensor (validate): its place among the tensors.
+            let k = op.signature.args()[..i]
+                .iter()
+                .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
+                .count();
+            Ok(vec![infos[k].clone()])
+        }
+        Some(OutRule::Fn(f)) => {
+            let v = f(infos, args)?;
+            if v.len() != op.signature.rets().len() {
+                return Err(KernelError(format!(
+                    "the output rule made {} results, the op returns {}",
+                    v.len(),
+                    op.signature.rets().len()
+                )));
+            }
+            Ok(v)
+        }
+    }
+}
+
+/// The XLA element type of `dtype` (`None`: XLA has none dlbridge maps).
+fn xla_dtype(dtype: DataType) -> Option<XLA_FFI_DataType> {
+    Some(match dtype {
+        DataType::BOOL => XLA_FFI_DataType::PRED,
+        DataType::INT8 => XLA_FFI_DataType::S8,
+        DataType::INT16 => XLA_FFI_DataType::S16,
+        DataType::INT32 => XLA_FFI_DataType::S32,
+        DataType::INT64 => XLA_FFI_DataType::S64,
+        DataType::UINT8 => XLA_FFI_DataType::U8,
+        DataType::UINT16 => XLA_FFI_DataType::U16,
+        DataType::UINT32 => XLA_FFI_DataType::U32,
+        DataType::UINT64 => XLA_FFI_DataType::U64,
+        DataType::FLOAT16 => XLA_FFI_DataType::F16,
+        DataType::FLOAT32 => XLA_FFI_DataType::F32,
+        DataType::FLOAT64 => XLA_FFI_DataType::F64,
+        DataType::BFLOAT16 => XLA_FFI_DataType::BF16,
+        DataType::COMPLEX64 => XLA_FFI_DataType::C64,
+        DataType::COMPLEX128 => XLA_FFI_DataType::C128,
+        _ => return None,
+    })
+}
+
+/// The most tensor arguments, scalar arguments and results an [`XlaOp`] may have (the frame is
+/// built on the stack, without allocating).
+pub const MAX_FRAME_ITEMS: usize = 16;
+
+/// A tensor argument as the handler sees it: the argument itself when it is C-contiguous, else
+/// a contiguous copy (copied back into the argument after the call when the op writes it).
+enum Operand<'a> {
+    Borrowed(&'a Tensor),
+    Copied { tensor: Tensor, copy_back_into: Option<usize> },
+}
+
+impl Operand<'_> {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            Self::Borrowed(t) => t,
+            Self::Copied { tensor, .. } => tensor,
+        }
+    }
+}
+
+const NO_BUFFER: XLA_FFI_Buffer = XLA_FFI_Buffer {
+    struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
+    extension_start: null_mut(),
+    dtype: XLA_FFI_DataType::INVALID,
+    data: null_mut(),
+    rank: 0,
+    dims: null_mut(),
+};
+const NO_SPAN: XLA_FFI_ByteSpan = XLA_FFI_ByteSpan { ptr: std::ptr::null(), len: 0 };
+
+/// Runs `op.handler` over torch's boxed stack (see [the module](self)).
+///
+/// # Safety
+///
+/// Torch's boxed-kernel contract for an op of schema `op.signature.schema()` ([`run_boxed`]).
+pub unsafe fn run_xla(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        run_boxed(stack, num_args, num_outputs, &op.signature, |args, outs| call_handler(op, args, outs))
+    }
+}
+
+#[cold]
+fn too_many(op: &XlaOp, what: &str, n: usize) -> KernelError {
+    KernelError(format!("{}: {n} {what} (at most {MAX_FRAME_ITEMS})", op.signature.name()))
+}
+
+/// The XLA buffer over `t` (host memory, C-contiguous, its dtype `dtype`).
+fn buffer_of(t: &Tensor, dtype: DataType, what: &str) -> Result<XLA_FFI_Buffer, KernelError> {
+    let x =
+        xla_dtype(dtype).ok_or_else(|| KernelError(format!("{what}: {dtype} has no XLA element type")))?;
+    // SAFETY: the tensor is held through the call and nothing changes its metadata meanwhile (a
+    // kernel's argument or a tensor made here); the frame only reads the extents.
+    let dims = unsafe { t.sizes_borrowed() }?;
+    Ok(XLA_FFI_Buffer {
+        struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
+        extension_start: null_mut(),
+        dtype: x,
+        data: t.data_ptr()?,
+        rank: dims.len() as i64,
+        dims: dims.as_ptr().cast_mut(),
+    })
+}
+
+fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
+    let torch = args_torch(args)?;
+    let sig = &op.signature;
+    const N: usize = MAX_FRAME_ITEMS;
+    // Operands: every tensor argument, C-contiguous on the CPU.
+    let mut operands: [Option<Operand<'_>>; N] = std::array::from_fn(|_| None);
+    let mut dtypes = [DataType::BOOL; N];
+    let mut names: [&str; N] = [""; N];
+    let mut aliased = [0usize; N]; // operand index of each Tensor(a!) argument
+    let (mut n_ops, mut n_aliased) = (0, 0);
+    for (i, &(name, kind)) in sig.args().iter().enumerate() {
+        if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            continue;
+        }
+        if n_ops == N {
+            return Err(too_many(op, "tensor arguments", n_ops + 1));
+        }
+        let t = args.tensor(i)?;
+        let device = t.device()?;
+        if device.kind != super::DeviceKind::Cpu {
+            return Err(KernelError(format!("{name}: a {device:?} tensor (this kernel runs on the CPU)")));
+        }
+        let operand = if t.is_contiguous()? {
+            Operand::Borrowed(t)
+        } else {
+            let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
+            Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
+        };
+        if kind == ArgKind::TensorMut {
+            aliased[n_aliased] = n_ops;
+            n_aliased += 1;
+        }
+        dtypes[n_ops] = operand.tensor().dtype()?;
+        names[n_ops] = name;
+        operands[n_ops] = Some(operand);
+        n_ops += 1;
+    }
+    let operand = |k: usize| operands[k].as_ref().expect("the first n_ops are set").tensor();
+    // Fresh results from the output rule.
+    let mut fresh: [Option<Tensor>; N] = std::array::from_fn(|_| None);
+    let mut n_fresh = 0;
+    match op.out {
+        None => {}
+        Some(OutRule::Like(i)) => {
+            // Argument i is a tensor (validate()): its place among the operands.
+            let k = sig.args()[..i]
+                .iter()
+                .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
+                .count();
+            // SAFETY: the operand is held through the call, its metadata unchanged.
+            let shape = unsafe { operand(k).sizes_borrowed() }?;
+            fresh[0] = Some(torch.empty(shape, dtypes[k], TorchDevice::CPU)?);
+            n_fresh = 1;
+        }
+        Some(OutRule::Fn(_)) => {
+            let infos: Vec<TensorInfo> = (0..n_ops)
+                .map(|k| Ok(TensorInfo { dtype: dtypes[k], shape: operand(k).sizes()? }))
+                .collect::<Result<_, Error>>()?;
+            for o in output_infos(op, &infos, args)? {
+                if n_fresh == N {
+                    return Err(too_many(op, "results", n_fresh + 1));
+                }
+                fresh[n_fresh] = Some(torch.empty(&o.shape, o.dtype, TorchDevice::CPU)?);
+                n_fresh += 1;
+            }
+        }
+    }
+    if n_fresh + n_aliased > N {
+        return Err(too_many(op, "results", n_fresh + n_aliased));
+    }
+    // The frame's buffers: operands, then fresh results, then the aliased operands again.
+    let mut arg_bufs = [NO_BUFFER; N];
+    for k in 0..n_ops {
+        arg_bufs[k] = buffer_of(operand(k), dtypes[k], names[k])?;
+    }
+    let mut ret_bufs = [NO_BUFFER; N];
+    for (k, t) in fresh[..n_fresh].iter().enumerate() {
+        let t = t.as_ref().expect("the first n_fresh are set");
+        ret_bufs[k] = buffer_of(t, t.dtype()?, "result")?;
+    }
+    for (j, &k) in aliased[..n_aliased].iter().enumerate() {
+        ret_bufs[n_fresh + j] = buffer_of(operand(k), dtypes[k], names[k])?;
+    }
+    let n_rets = n_fresh + n_aliased;
+    // Attributes: every scalar argument, as the handler reads it.
+    let mut attr_names = [NO_SPAN; N];
+    let mut kinds = [XLA_FFI_AttrType::SCALAR; N];
+    let mut words = [[0u64; 1]; N];
+    let mut scalar_types = [XLA_FFI_DataType::INVALID; N];
+    let mut string_spans = [NO_SPAN; N];
+    let mut n_attrs = 0;
+    for (i, &(name, kind)) in sig.args().iter().enumerate() {
+        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            continue;
+        }
+        if n_attrs == N {
+            return Err(too_many(op, "scalar arguments", n_attrs + 1));
+        }
+        let ty = op.attrs.iter().find(|(n, _)| *n == name).map(|&(_, t)| t);
+        let ty = ty.ok_or_else(|| KernelError(format!("argument {name} has no attribute type")))?;
+        attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
+        let bytes = bytemuck_u64(&mut words[n_attrs]);
+        scalar_types[n_attrs] = match ty {
+            AttrType::F32 => {
+                bytes[..4].copy_from_slice(&(args.float(i)? as f32).to_ne_bytes());
+                XLA_FFI_DataType::F32
+            }
+            AttrType::F64 => {
+                bytes.copy_from_slice(&args.float(i)?.to_ne_bytes());
+                XLA_FFI_DataType::F64
+            }
+            AttrType::I32 => {
+                let v = args.int(i)?;
+                let v = i32::try_from(v)
+                    .map_err(|_| KernelError(format!("{name}: {v} does not fit an int32")))?;
+                bytes[..4].copy_from_slice(&v.to_ne_bytes());
+                XLA_FFI_DataType::S32
+            }
+            AttrType::I64 => {
+                bytes.copy_from_slice(&args.int(i)?.to_ne_bytes());
+                XLA_FFI_DataType::S64
+            }
+            AttrType::Bool => {
+                bytes[0] = args.bool(i)? as u8;
+                XLA_FFI_DataType::PRED
+            }
+            AttrType::Str => {
+                let v = args.str(i)?;
+                string_spans[n_attrs] = XLA_FFI_ByteSpan { ptr: v.as_ptr().cast(), len: v.len() };
+                kinds[n_attrs] = XLA_FFI_AttrType::STRING;
+                XLA_FFI_DataType::INVALID
+            }
+        };
+        n_attrs += 1;
+    }
+    // Every array is complete and stays where it is until the call returns: pointers into them
+    // are taken only now.
+    let mut scalars: [XLA_FFI_Scalar; N] = std::array::from_fn(|k| XLA_FFI_Scalar {
+        dtype: scalar_types[k],
+        value: words[k].as_mut_ptr().cast(),
+    });
+    let mut attr_values: [*mut c_void; N] = [null_mut(); N];
+    let mut name_ptrs: [*mut XLA_FFI_ByteSpan; N] = [null_mut(); N];
+    for k in 0..n_attrs {
+        attr_values[k] = if kinds[k] == XLA_FFI_AttrType::STRING {
+            (&raw mut string_spans[k]).cast()
+        } else {
+            (&raw mut scalars[k]).cast()
+        };
+        name_ptrs[k] = &raw mut attr_names[k];
+    }
+    let mut arg_types = [XLA_FFI_ArgType::BUFFER; N];
+    let mut ret_types = [XLA_FFI_RetType::BUFFER; N];
+    let mut arg_ptrs: [*mut c_void; N] = [null_mut(); N];
+    let mut ret_ptrs: [*mut c_void; N] = [null_mut(); N];
+    for k in 0..n_ops {
+        arg_ptrs[k] = (&raw mut arg_bufs[k]).cast();
+    }
+    for k in 0..n_rets {
+        ret_ptrs[k] = (&raw mut ret_bufs[k]).cast();
+    }
+    let api = api_table();
+    let mut frame = XLA_FFI_CallFrame {
+        struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
+        extension_start: null_mut(),
+        api: &api,
+        ctx: null_mut(),
+        stage: XLA_FFI_ExecutionStage::EXECUTE,
+        args: XLA_FFI_Args {
+            struct_size: XLA_FFI_Args_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: n_ops as i64,
+            types: arg_types.as_mut_ptr(),
+            args: arg_ptrs.as_mut_ptr(),
+        },
+        rets: XLA_FFI_Rets {
+            struct_size: XLA_FFI_Rets_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: n_rets as i64,
+            types: ret_types.as_mut_ptr(),
+            rets: ret_ptrs.as_mut_ptr(),
+        },
+        attrs: XLA_FFI_Attrs {
+            struct_size: XLA_FFI_Attrs_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: n_attrs as i64,
+            types: kinds.as_mut_ptr(),
+            names: name_ptrs.as_mut_ptr(),
+            attrs: attr_values.as_mut_ptr(),
+        },
+        future: null_mut(),
+    };
+    // SAFETY: a complete frame of this module's making: every pointer in it points into the
+    // arrays above (alive and unmoved through the call) or to tensors held here; buffers are
+    // host memory of the extents and dtypes they state; the API table answers errors and the
+    // stream. The handler's contract is XLA's, which this frame meets.
+    let err = unsafe { (op.handler)(&mut frame) };
+    if !err.is_null() {
+        // SAFETY: a non-NULL error can only come from this table's error_create.
+        let e = unsafe { Box::from_raw(err.cast::<AdapterError>()) };
+        return Err(KernelError(e.message.to_string_lossy().into_owned()));
+    }
+    for o in operands[..n_ops].iter().flatten() {
+        if let Operand::Copied { tensor, copy_back_into: Some(i) } = o {
+            args.tensor(*i)?.copy_from(tensor)?;
+        }
+    }
+    for (i, t) in fresh.into_iter().take(n_fresh).enumerate() {
+        outs.set(i, Value::Tensor(t.expect("the first n_fresh are set")))?;
+    }
+    Ok(())
+}
+
+fn bytemuck_u64(w: &mut [u64; 1]) -> &mut [u8; 8] {
+    // SAFETY: [u64; 1] and [u8; 8] have the same size, u8 has no alignment requirement, every
+    // byte pattern is valid for both, and the borrow is carried over.
+    unsafe { &mut *(w as *mut [u64; 1]).cast::<[u8; 8]>() }
+}
+
+/// An error the handler made through this module's API table.
+struct AdapterError {
+    message: CString,
+}
+
+unsafe extern "C" fn error_create(args: *mut XLA_FFI_Error_Create_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler passes its arguments (dlbridge's xla layer: a NUL-terminated message).
+    let m = unsafe { (*args).message };
+    let message = if m.is_null() {
+        c"(no message)".to_owned()
+    } else {
+        // SAFETY: NUL-terminated (above), copied here.
+        unsafe { CStr::from_ptr(m) }.to_owned()
+    };
+    Box::into_raw(Box::new(AdapterError { message })).cast()
+}
+
+unsafe extern "C" fn error_get_message(args: *mut XLA_FFI_Error_GetMessage_Args) {
+    // SAFETY: an error error_create made, alive until destroyed; the message it owns.
+    unsafe { (*args).message = (*(*args).error.cast::<AdapterError>()).message.as_ptr() };
+}
+
+unsafe extern "C" fn error_destroy(args: *mut XLA_FFI_Error_Destroy_Args) {
+    // SAFETY: an error error_create made, destroyed once.
+    drop(unsafe { Box::from_raw((*args).error.cast::<AdapterError>()) });
+}
+
+unsafe extern "C" fn stream_get(args: *mut XLA_FFI_Stream_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler's arguments; the CPU has no stream.
+    unsafe { (*args).stream = null_mut() };
+    null_mut()
+}
+
+fn api_table() -> XLA_FFI_Api {
+    XLA_FFI_Api {
+        struct_size: XLA_FFI_Api_STRUCT_SIZE,
+        extension_start: null_mut(),
+        api_version: XLA_FFI_Api_Version {
+            struct_size: XLA_FFI_Api_Version_STRUCT_SIZE,
+            extension_start: null_mut(),
+            major_version: XLA_FFI_API_MAJOR,
+            minor_version: XLA_FFI_API_MINOR,
+        },
+        internal_api: std::ptr::null(),
+        XLA_FFI_Error_Create: Some(error_create),
+        XLA_FFI_Error_GetMessage: Some(error_get_message),
+        XLA_FFI_Error_Destroy: Some(error_destroy),
+        XLA_FFI_Handler_Register: std::ptr::null(),
+        XLA_FFI_Stream_Get: Some(stream_get),
+        XLA_FFI_Type_Register: std::ptr::null(),
+        XLA_FFI_ExecutionContext_Get: std::ptr::null(),
+        XLA_FFI_State_Set: std::ptr::null(),
+        XLA_FFI_State_Get: std::ptr::null(),
+        XLA_FFI_DeviceMemory_Allocate: std::ptr::null(),
+        XLA_FFI_DeviceMemory_Free: std::ptr::null(),
+        XLA_FFI_ThreadPool_Schedule: std::ptr::null(),
+        XLA_FFI_ThreadPool_NumThreads: std::ptr::null(),
+        XLA_FFI_Future_Create: std::ptr::null(),
+        XLA_FFI_Future_SetAvailable: std::ptr::null(),
+        XLA_FFI_Future_SetError: std::ptr::null(),
+        XLA_FFI_RunId_Get: std::ptr::null(),
+        XLA_FFI_DeviceOrdinal_Get: None,
+    }
+}

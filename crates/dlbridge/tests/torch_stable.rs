@@ -1,0 +1,536 @@
+//! Native torch ops through torch's stable C ABI, against the real libtorch of the venv's torch:
+//! ops defined and registered from Rust, called through torch's dispatcher.
+//!
+//! Needs `DLBRIDGE_TORCH_DIR` (torch's package folder:
+//! `python -c 'import torch, os; print(os.path.dirname(torch.__file__))'`); without it each test
+//! prints why and returns, unless `DLBRIDGE_REQUIRE_TORCH=1` (`make rust-test` sets both), which
+//! makes the absence a failure.
+#![cfg(all(feature = "torch-stable", unix))]
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use dlbridge::DataType;
+use dlbridge::spec::Rank;
+use dlbridge::torch_stable::sys::StableIValue;
+use dlbridge::torch_stable::xla::{AttrType, NativeOp, OutRule, XlaOp};
+use dlbridge::torch_stable::{
+    ArgKind, Args, DeviceKind, Error, KernelError, Library, NativeKernel, OpSignature, Outputs, Tensor,
+    Torch, TorchDevice, Value, register_kernel, run_boxed,
+};
+
+const NS: &str = "dlbridge_test";
+
+/// The venv's libtorch, loaded once for the process (`None`: skipped, reason printed).
+fn torch() -> Option<&'static Torch> {
+    let Some(dir) = std::env::var_os("DLBRIDGE_TORCH_DIR") else {
+        if std::env::var("DLBRIDGE_REQUIRE_TORCH").as_deref() == Ok("1") {
+            panic!("DLBRIDGE_REQUIRE_TORCH=1 but DLBRIDGE_TORCH_DIR is not set");
+        }
+        eprintln!(
+            "SKIPPED: DLBRIDGE_TORCH_DIR is not set (torch's package folder); `make rust-test` sets it"
+        );
+        return None;
+    };
+    let lib = PathBuf::from(dir).join("lib").join(dlbridge::torch_stable::LIBTORCH_CPU);
+    Some(Torch::open(&lib).unwrap_or_else(|e| panic!("{}: {e}", lib.display())))
+}
+
+/// Registers this file's ops once (fragments of NS; every test calls it).
+fn setup() -> Option<&'static Torch> {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let t = torch()?;
+    ONCE.call_once(|| {
+        let lib = Library::fragment(t, NS).unwrap();
+        for sig in [&ADD_ONE, &FAILS, &PANICS] {
+            lib.define(sig).unwrap();
+        }
+        let cpu = Library::implementation(t, NS, "CPU").unwrap();
+        // SAFETY: each kernel runs through run_boxed with the signature its op was defined from.
+        unsafe {
+            cpu.register("add_one", add_one_cpu).unwrap();
+            cpu.register("fails", fails_cpu).unwrap();
+            cpu.register("panics", panics_cpu).unwrap();
+            Library::implementation(t, NS, "Meta").unwrap().register("add_one", add_one_meta).unwrap();
+        }
+        register_kernel::<Empty>(t, NS, &["CPU", "Meta"]).unwrap();
+        dlbridge::torch_stable::xla::register::<Saxpy>(t, NS).unwrap();
+        dlbridge::torch_stable::xla::register::<SaxpyInPlace>(t, NS).unwrap();
+    });
+    Some(t)
+}
+
+const ADD_ONE: OpSignature = OpSignature::new("add_one", &[("x", ArgKind::Tensor)], &[ArgKind::Tensor]);
+const FAILS: OpSignature =
+    OpSignature::new("fails", &[("x", ArgKind::Tensor), ("why", ArgKind::Str)], &[ArgKind::Tensor]);
+const PANICS: OpSignature = OpSignature::new("panics", &[("x", ArgKind::Tensor)], &[ArgKind::Tensor]);
+const EMPTY: OpSignature = OpSignature::new("empty", &[("x", ArgKind::Tensor)], &[]);
+
+/// `x + 1` for float32 tensors of any layout: reads through sizes, strides and the data pointer.
+unsafe extern "C-unwind" fn add_one_cpu(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
+    // SAFETY: torch calls this with the stack of ADD_ONE (registered for it in setup()).
+    unsafe { run_boxed(stack, num_args, num_outputs, &ADD_ONE, add_one_body) }
+}
+
+fn add_one_body(args: &mut Args, out: &mut Outputs) -> Result<(), KernelError> {
+    let x = args.tensor(0)?;
+    if x.dtype()? != DataType::FLOAT32 || x.device()?.kind != DeviceKind::Cpu {
+        return Err(format!("x: expected a float32 cpu tensor, got {} {:?}", x.dtype()?, x.device()?).into());
+    }
+    let (sizes, strides) = (x.sizes()?, x.strides()?);
+    let y = x.torch().empty(&sizes, DataType::FLOAT32, TorchDevice::CPU)?;
+    let (src, dst) = (x.data_ptr()?.cast::<f32>(), y.data_ptr()?.cast::<f32>());
+    let n = y.numel()? as usize;
+    for k in 0..n {
+        // The element's offset in x from its row-major index k.
+        let (mut rem, mut off) = (k, 0isize);
+        for d in (0..sizes.len()).rev() {
+            let e = sizes[d] as usize;
+            off += (rem % e) as isize * strides[d] as isize;
+            rem /= e;
+        }
+        // SAFETY: x is a float32 CPU tensor whose elements sit at these offsets from its data
+        // pointer; y is a fresh contiguous float32 CPU tensor of n elements.
+        unsafe { dst.add(k).write(src.offset(off).read() + 1.0) };
+    }
+    out.set(0, Value::Tensor(y))
+}
+
+/// `add_one` on the meta device: the output's shape, nothing computed.
+unsafe extern "C-unwind" fn add_one_meta(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
+    // SAFETY: as add_one_cpu.
+    unsafe {
+        run_boxed(stack, num_args, num_outputs, &ADD_ONE, |args, out| {
+            let x = args.tensor(0)?;
+            out.set(0, Value::Tensor(x.torch().empty(&x.sizes()?, x.dtype()?, x.device()?)?))
+        })
+    }
+}
+
+/// Makes its output (a counted blob), then fails with `why`: both tensors must still be freed.
+unsafe extern "C-unwind" fn fails_cpu(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
+    // SAFETY: as add_one_cpu, for FAILS.
+    unsafe {
+        run_boxed(stack, num_args, num_outputs, &FAILS, |args, out| {
+            out.set(0, Value::Tensor(counted(args.tensor(0)?.torch(), &[4], &FAILS_OUTPUT_FREED)))?;
+            Err(KernelError(format!("refused: {}", args.str(1)?)))
+        })
+    }
+}
+
+unsafe extern "C-unwind" fn panics_cpu(stack: *mut StableIValue, num_args: u64, num_outputs: u64) {
+    // SAFETY: as add_one_cpu, for PANICS.
+    unsafe {
+        run_boxed(stack, num_args, num_outputs, &PANICS, |_args, _out| {
+            panic!("the kernel panicked on purpose")
+        })
+    }
+}
+
+/// Does nothing (registered through the safe route).
+struct Empty;
+impl NativeKernel for Empty {
+    const SIGNATURE: OpSignature = EMPTY;
+    fn run(_args: &mut Args, _out: &mut Outputs) -> Result<(), KernelError> {
+        Ok(())
+    }
+}
+
+static FAILS_OUTPUT_FREED: AtomicUsize = AtomicUsize::new(0);
+
+/// A float32 tensor over Rust memory whose deleter counts into `freed`.
+fn counted(t: &'static Torch, sizes: &[i64], freed: &'static AtomicUsize) -> Tensor {
+    struct Blob {
+        data: Vec<f32>,
+        freed: &'static AtomicUsize,
+    }
+    unsafe extern "C" fn deleter(_data: *mut c_void, ctx: *mut c_void) {
+        // SAFETY: ctx is the Blob boxed below, freed once (torch calls the deleter once).
+        let blob = unsafe { Box::from_raw(ctx.cast::<Blob>()) };
+        blob.freed.fetch_add(1, Ordering::SeqCst);
+    }
+    let n: i64 = sizes.iter().product();
+    let mut blob = Box::new(Blob { data: (0..n).map(|i| i as f32).collect(), freed });
+    let data = blob.data.as_mut_ptr().cast::<c_void>();
+    let strides = dlbridge::layout::c_strides(sizes);
+    // SAFETY: `data` is the blob's float32 memory of that layout, freed only by the deleter.
+    unsafe {
+        t.from_blob(
+            data,
+            sizes,
+            &strides,
+            0,
+            DataType::FLOAT32,
+            TorchDevice::CPU,
+            Some(deleter),
+            Box::into_raw(blob).cast(),
+        )
+    }
+    .unwrap()
+}
+
+fn f32s(t: &Tensor) -> Vec<f32> {
+    let c = t.torch().contiguous(t).unwrap();
+    let n = c.numel().unwrap() as usize;
+    // SAFETY: a contiguous float32 CPU tensor of n elements, alive while `c` is.
+    unsafe { std::slice::from_raw_parts(c.data_ptr().unwrap().cast::<f32>(), n) }.to_vec()
+}
+
+fn one(mut v: Vec<Value>) -> Tensor {
+    assert_eq!(v.len(), 1);
+    match v.pop() {
+        Some(Value::Tensor(t)) => t,
+        other => panic!("expected a tensor, got {other:?}"),
+    }
+}
+
+/// `aten::narrow(x, dim, start, length)`: a view with a storage offset (non-contiguous when it
+/// cuts the last dimension).
+fn narrow(x: &Tensor, dim: i64, start: i64, length: i64) -> Tensor {
+    let t = x.torch();
+    let args =
+        vec![Value::Tensor(x.new_handle().unwrap()), Value::Int(dim), Value::Int(start), Value::Int(length)];
+    // SAFETY: the arguments and results have the op's schema types.
+    one(unsafe { t.call("aten::narrow", "", args, &[ArgKind::Tensor]) }.unwrap())
+}
+
+#[test]
+fn the_schema_is_made_from_the_signature() {
+    assert_eq!(ADD_ONE.schema().unwrap(), "add_one(Tensor x) -> Tensor");
+    assert_eq!(EMPTY.schema().unwrap(), "empty(Tensor x) -> ()");
+    assert_eq!(SaxpyInPlace::OP.signature.schema().unwrap(), "saxpy_(Tensor x, Tensor(a!) y, float a) -> ()");
+    let two =
+        OpSignature::new("f", &[("n", ArgKind::Int), ("b", ArgKind::Bool)], &[ArgKind::Tensor, ArgKind::Int]);
+    assert_eq!(two.schema().unwrap(), "f(int n, bool b) -> (Tensor, int)");
+    let bad = OpSignature::new("f", &[("x y", ArgKind::Tensor)], &[]);
+    assert!(matches!(bad.schema(), Err(Error::Invalid(m)) if m.contains("\"x y\"")));
+    let bad = OpSignature::new("f", &[], &[ArgKind::Str]);
+    assert!(matches!(bad.schema(), Err(Error::Invalid(m)) if m.contains("Str")));
+}
+
+#[test]
+fn add_one_is_a_native_op_called_through_the_dispatcher() {
+    let Some(t) = setup() else { return };
+    assert!(t.version().starts_with("2."), "{}", t.version());
+    assert!(t.has("aoti_torch_get_sizes") && t.has("aoti_torch_library_impl"));
+    assert!(!t.has("no_such_function"));
+    static FREED: AtomicUsize = AtomicUsize::new(0);
+    let x = counted(t, &[2, 3], &FREED);
+    assert_eq!((x.sizes().unwrap(), x.strides().unwrap()), (vec![2, 3], vec![3, 1]));
+    assert_eq!(
+        (x.dtype().unwrap(), x.device().unwrap(), x.storage_offset().unwrap()),
+        (DataType::FLOAT32, TorchDevice::CPU, 0)
+    );
+    // SAFETY: the arguments and results have the op's schema types.
+    let y = one(unsafe {
+        t.call("dlbridge_test::add_one", "", vec![Value::Tensor(x.new_handle().unwrap())], &[ArgKind::Tensor])
+    }
+    .unwrap());
+    assert_eq!(f32s(&y), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    assert_eq!((y.sizes().unwrap(), y.dtype().unwrap()), (vec![2, 3], DataType::FLOAT32));
+    // A view with a storage offset and a stride that is not the row's length.
+    let v = narrow(&x, 1, 1, 2);
+    assert_eq!(
+        (v.sizes().unwrap(), v.strides().unwrap(), v.storage_offset().unwrap()),
+        (vec![2, 2], vec![3, 1], 1)
+    );
+    assert!(!v.is_contiguous().unwrap());
+    assert_eq!(v.data_ptr().unwrap(), x.data_ptr().unwrap().cast::<f32>().wrapping_add(1).cast());
+    // SAFETY: the arguments and results have the op's schema types.
+    let w =
+        one(unsafe { t.call("dlbridge_test::add_one", "", vec![Value::Tensor(v)], &[ArgKind::Tensor]) }
+            .unwrap());
+    assert_eq!(f32s(&w), [2.0, 3.0, 5.0, 6.0]);
+    // The kernel deleted its input handles: the last reference is ours, and the memory goes
+    // exactly once when it drops.
+    drop((y, w));
+    assert_eq!(FREED.load(Ordering::SeqCst), 0);
+    drop(x);
+    assert_eq!(FREED.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn the_meta_kernel_makes_the_output_on_the_meta_device() {
+    let Some(t) = setup() else { return };
+    let x = t.empty(&[5, 7], DataType::FLOAT32, TorchDevice::META).unwrap();
+    assert_eq!(x.device().unwrap().kind, DeviceKind::Meta);
+    // SAFETY: the arguments and results have the op's schema types.
+    let y =
+        one(unsafe { t.call("dlbridge_test::add_one", "", vec![Value::Tensor(x)], &[ArgKind::Tensor]) }
+            .unwrap());
+    assert_eq!((y.sizes().unwrap(), y.device().unwrap().kind), (vec![5, 7], DeviceKind::Meta));
+}
+
+#[test]
+fn a_kernel_error_reaches_the_caller_and_every_tensor_is_freed() {
+    let Some(t) = setup() else { return };
+    static FREED: AtomicUsize = AtomicUsize::new(0);
+    let x = counted(t, &[3], &FREED);
+    let before = FAILS_OUTPUT_FREED.load(Ordering::SeqCst);
+    let args = vec![Value::Tensor(x.new_handle().unwrap()), Value::Str("not today".into())];
+    // SAFETY: the arguments and results have the op's schema types.
+    let err = unsafe { t.call("dlbridge_test::fails", "", args, &[ArgKind::Tensor]) }.unwrap_err();
+    let Error::Call { message, .. } = &err else { panic!("{err:?}") };
+    if t.has("torch_exception_get_what_without_backtrace") {
+        assert!(message.contains("fails: refused: not today"), "{message}");
+    }
+    // The output it made was freed when it failed, the input handle it got too: ours is the last.
+    assert_eq!(FAILS_OUTPUT_FREED.load(Ordering::SeqCst), before + 1);
+    drop(x);
+    assert_eq!(FREED.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_kernel_panic_is_an_error_and_frees_its_input() {
+    let Some(t) = setup() else { return };
+    static FREED: AtomicUsize = AtomicUsize::new(0);
+    let x = counted(t, &[2], &FREED);
+    // SAFETY: the arguments and results have the op's schema types.
+    let err = unsafe {
+        t.call("dlbridge_test::panics", "", vec![Value::Tensor(x.new_handle().unwrap())], &[ArgKind::Tensor])
+    }
+    .unwrap_err();
+    if t.has("torch_exception_get_what_without_backtrace") {
+        assert!(err.to_string().contains("panics: panicked: the kernel panicked on purpose"), "{err}");
+    }
+    drop(x);
+    assert_eq!(FREED.load(Ordering::SeqCst), 1);
+    // The process goes on: the op works again.
+    let y = t.empty(&[1], DataType::FLOAT32, TorchDevice::CPU).unwrap();
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::empty", "", vec![Value::Tensor(y)], &[]) }.unwrap().is_empty());
+}
+
+#[test]
+fn torch_errors_carry_torch_message() {
+    let Some(t) = setup() else { return };
+    let lib = Library::fragment(t, NS).unwrap();
+    let err = lib.define(&ADD_ONE).unwrap_err();
+    let Error::Call { function, message } = &err else { panic!("{err:?}") };
+    assert_eq!(*function, "aoti_torch_library_def");
+    if t.has("torch_exception_get_what_without_backtrace") {
+        assert!(message.contains("multiple times"), "{message}");
+    }
+    // SAFETY: the arguments and results have the op's schema types.
+    let err = unsafe { t.call("dlbridge_test::no_such_op", "", vec![], &[]) }.unwrap_err();
+    if t.has("torch_exception_get_what_without_backtrace") {
+        assert!(err.to_string().contains("Could not find schema for dlbridge_test::no_such_op"), "{err}");
+    }
+    assert!(matches!(lib.def("bad schema ("), Err(Error::Call { .. })));
+    assert!(matches!(lib.def("nul\0"), Err(Error::Invalid(m)) if m.starts_with("schema:")));
+    let err = t.empty_strided(&[2, 2], &[1], DataType::FLOAT32, TorchDevice::CPU).unwrap_err();
+    assert!(matches!(&err, Error::Invalid(m) if m.starts_with("strides:")), "{err}");
+}
+
+// --- One body for XLA and torch: an XLA FFI handler as the op's CPU kernel. ---
+
+dlbridge::xla_handler! {
+    /// `out = a * x + y` for float32 vectors (what `jax.jit` would call).
+    fn saxpy_xla(call, operands: 2, results: 1, attrs: ["a"]) {
+        let a: f32 = call.attr("a")?;
+        let x = call.input::<f32, Rank<1>>(0, "x")?;
+        let y = call.input::<f32, Rank<1>>(1, "y")?;
+        let mut out = call.output::<f32, Rank<1>>(0, "out")?;
+        let (x, y) = (x.as_slice()?, y.as_slice()?);
+        for ((o, x), y) in out.as_slice_mut()?.iter_mut().zip(x.iter()).zip(y.iter()) {
+            *o = a * x + y;
+        }
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// `y += a * x` in place: result 0 is operand 1's memory.
+    fn saxpy_inplace_xla(call, operands: 2, results: 1, attrs: ["a"]) {
+        let a: f32 = call.attr("a")?;
+        let x = call.input::<f32, Rank<1>>(0, "x")?;
+        let mut y = call.output::<f32, Rank<1>>(0, "y")?;
+        if call.input_any(1, "y")?.data_ptr().cast::<f32>() != y.as_mut_ptr() {
+            return Err(dlbridge::xla::FfiError::invalid_argument("y: result 0 must alias operand 1"));
+        }
+        let x = x.as_slice()?;
+        for (y, x) in y.as_slice_mut()?.iter_mut().zip(x.iter()) {
+            *y += a * x;
+        }
+        Ok(())
+    }
+}
+
+struct Saxpy;
+impl NativeOp for Saxpy {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new(
+            "saxpy",
+            &[("x", ArgKind::Tensor), ("y", ArgKind::Tensor), ("a", ArgKind::Float)],
+            &[ArgKind::Tensor],
+        ),
+        attrs: &[("a", AttrType::F32)],
+        out: Some(OutRule::Like(0)),
+        handler: saxpy_xla,
+    };
+}
+
+struct SaxpyInPlace;
+impl NativeOp for SaxpyInPlace {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new(
+            "saxpy_",
+            &[("x", ArgKind::Tensor), ("y", ArgKind::TensorMut), ("a", ArgKind::Float)],
+            &[],
+        ),
+        attrs: &[("a", AttrType::F32)],
+        out: None,
+        handler: saxpy_inplace_xla,
+    };
+}
+
+fn filled(t: &'static Torch, v: &[f32]) -> Tensor {
+    let x = t.empty(&[v.len() as i64], DataType::FLOAT32, TorchDevice::CPU).unwrap();
+    // SAFETY: a fresh contiguous float32 CPU tensor of v.len() elements, written before any read.
+    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), x.data_ptr().unwrap().cast::<f32>(), v.len()) };
+    x
+}
+
+#[test]
+fn an_xla_handler_runs_as_the_ops_cpu_kernel() {
+    let Some(t) = setup() else { return };
+    let x = filled(t, &[1.0, 2.0, 3.0, 4.0]);
+    let y = filled(t, &[10.0, 20.0, 30.0, 40.0]);
+    let call = |x: &Tensor, y: &Tensor, a: f64| {
+        let args = vec![
+            Value::Tensor(x.new_handle().unwrap()),
+            Value::Tensor(y.new_handle().unwrap()),
+            Value::Float(a),
+        ];
+        // SAFETY: the arguments and results have the op's schema types.
+        unsafe { t.call("dlbridge_test::saxpy", "", args, &[ArgKind::Tensor]) }
+    };
+    assert_eq!(f32s(&one(call(&x, &y, 2.0).unwrap())), [12.0, 24.0, 36.0, 48.0]);
+    // A strided operand (every other element) is made contiguous for the handler.
+    let wide = filled(t, &[1.0, 0.0, 2.0, 0.0, 3.0, 0.0, 4.0, 0.0]);
+    let every_other = strided_view(&wide);
+    assert_eq!(every_other.strides().unwrap(), vec![2]);
+    assert_eq!(f32s(&one(call(&every_other, &y, 1.0).unwrap())), [11.0, 22.0, 33.0, 44.0]);
+    // The handler's own refusal, as under jax.jit, is the op's error.
+    let err = call(&x, &t.empty(&[2, 2], DataType::FLOAT32, TorchDevice::CPU).unwrap(), 1.0).unwrap_err();
+    if t.has("torch_exception_get_what_without_backtrace") {
+        assert!(err.to_string().contains("saxpy: saxpy_xla: y: expected float32 1-d"), "{err}");
+    }
+    // Meta: the output rule, no handler.
+    let m = t.empty(&[6], DataType::FLOAT32, TorchDevice::META).unwrap();
+    let out = one(call(&m, &m, 1.0).unwrap());
+    assert_eq!((out.sizes().unwrap(), out.device().unwrap().kind), (vec![6], DeviceKind::Meta));
+}
+
+/// `wide[::2]`: `aten::slice` takes optional arguments, so this is `aten::unfold(x, 0, 1, 2)`
+/// (sizes [n/2, 1], strides [2, 1]) then `aten::squeeze.dim(1)`.
+fn strided_view(wide: &Tensor) -> Tensor {
+    let t = wide.torch();
+    // SAFETY: the arguments and results have the op's schema types.
+    let u = one(unsafe {
+        t.call(
+            "aten::unfold",
+            "",
+            vec![Value::Tensor(wide.new_handle().unwrap()), Value::Int(0), Value::Int(1), Value::Int(2)],
+            &[ArgKind::Tensor],
+        )
+    }
+    .unwrap());
+    // SAFETY: the arguments and results have the op's schema types.
+    one(unsafe { t.call("aten::squeeze", "dim", vec![Value::Tensor(u), Value::Int(1)], &[ArgKind::Tensor]) }
+        .unwrap())
+}
+
+#[test]
+fn an_in_place_xla_handler_writes_the_callers_tensor() {
+    let Some(t) = setup() else { return };
+    let x = filled(t, &[1.0, 2.0, 3.0]);
+    let y = filled(t, &[10.0, 20.0, 30.0]);
+    let args = vec![
+        Value::Tensor(x.new_handle().unwrap()),
+        Value::Tensor(y.new_handle().unwrap()),
+        Value::Float(2.0),
+    ];
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::saxpy_", "", args, &[]) }.unwrap().is_empty());
+    assert_eq!(f32s(&y), [12.0, 24.0, 36.0]);
+    // A non-contiguous y: computed on a contiguous copy, copied back into the caller's view.
+    let wide = filled(t, &[10.0, -1.0, 20.0, -1.0, 30.0, -1.0]);
+    let view = strided_view(&wide);
+    let args = vec![Value::Tensor(x.new_handle().unwrap()), Value::Tensor(view), Value::Float(1.0)];
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::saxpy_", "", args, &[]) }.unwrap().is_empty());
+    assert_eq!(f32s(&wide), [11.0, -1.0, 22.0, -1.0, 33.0, -1.0]);
+}
+
+#[test]
+fn kernels_run_on_many_threads_at_once() {
+    let Some(t) = setup() else { return };
+    static FREED: AtomicUsize = AtomicUsize::new(0);
+    let x = counted(t, &[16], &FREED);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let h = x.new_handle().unwrap();
+            s.spawn(move || {
+                for _ in 0..200 {
+                    let args = vec![Value::Tensor(h.new_handle().unwrap())];
+                    // SAFETY: the arguments and results have the op's schema types.
+                    let y =
+                        one(unsafe { t.call("dlbridge_test::add_one", "", args, &[ArgKind::Tensor]) }
+                            .unwrap());
+                    assert_eq!(f32s(&y)[15], 16.0);
+                    let args = vec![Value::Tensor(h.new_handle().unwrap()), Value::Str("busy".into())];
+                    // SAFETY: as above.
+                    assert!(unsafe { t.call("dlbridge_test::fails", "", args, &[ArgKind::Tensor]) }.is_err());
+                }
+            });
+        }
+    });
+    drop(x);
+    assert_eq!(FREED.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn an_op_made_at_run_time_gets_a_slot() {
+    let Some(t) = setup() else { return };
+    // As a kernel kit would from a declaration it reads when a module initialises.
+    let name = String::from("saxpy_rt");
+    let params = [("x", ArgKind::Tensor), ("y", ArgKind::Tensor), ("a", ArgKind::Float)];
+    let op = XlaOp::leak(
+        &name,
+        &params,
+        &[ArgKind::Tensor],
+        &[("a", AttrType::F32)],
+        Some(OutRule::Like(0)),
+        saxpy_xla,
+    );
+    dlbridge::torch_stable::xla::register_op(t, NS, op).unwrap();
+    let (x, y) = (filled(t, &[1.0, 2.0]), filled(t, &[3.0, 4.0]));
+    let args = vec![
+        Value::Tensor(x.new_handle().unwrap()),
+        Value::Tensor(y.new_handle().unwrap()),
+        Value::Float(10.0),
+    ];
+    // SAFETY: the arguments and results have the op's schema types.
+    let out = one(unsafe { t.call(&format!("{NS}::{name}"), "", args, &[ArgKind::Tensor]) }.unwrap());
+    assert_eq!(f32s(&out), [13.0, 24.0]);
+    let m = t.empty(&[3], DataType::FLOAT32, TorchDevice::META).unwrap();
+    let args = vec![Value::Tensor(m.new_handle().unwrap()), Value::Tensor(m), Value::Float(1.0)];
+    // SAFETY: as above.
+    let out = one(unsafe { t.call(&format!("{NS}::{name}"), "", args, &[ArgKind::Tensor]) }.unwrap());
+    assert_eq!((out.sizes().unwrap(), out.device().unwrap().kind), (vec![3], DeviceKind::Meta));
+    // Defined once: a second registration of the name is torch's refusal, a mismatched op is ours.
+    let again = XlaOp::leak(
+        &name,
+        &params,
+        &[ArgKind::Tensor],
+        &[("a", AttrType::F32)],
+        Some(OutRule::Like(0)),
+        saxpy_xla,
+    );
+    assert!(matches!(dlbridge::torch_stable::xla::register_op(t, NS, again), Err(Error::Call { .. })));
+    let bad = XlaOp::leak("bad_rt", &params, &[ArgKind::Tensor], &[], Some(OutRule::Like(0)), saxpy_xla);
+    let err = dlbridge::torch_stable::xla::register_op(t, NS, bad).unwrap_err();
+    assert!(matches!(&err, Error::Invalid(m) if m.contains("argument a has no attribute type")), "{err}");
+}
