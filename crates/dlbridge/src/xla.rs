@@ -461,7 +461,8 @@ fn refuse(api: Api<'_>, name: &str, fault: FrameFault) -> *mut XLA_FFI_Error {
     api.error(code, &format!("{name}: {message}"))
 }
 
-fn panic_message(p: &(dyn Any + Send)) -> &str {
+/// The message a panic carried (its `&str` or `String` payload), for the error a caller gets.
+pub(crate) fn panic_message(p: &(dyn Any + Send)) -> &str {
     p.downcast_ref::<&str>()
         .copied()
         .or_else(|| p.downcast_ref::<String>().map(String::as_str))

@@ -1,7 +1,6 @@
 //! Boxed kernels: an op's signature, its arguments taken off torch's stack, its outputs put on,
 //! errors thrown to torch; and boxed dispatcher calls.
 
-use std::any::Any;
 use std::ffi::{CString, c_char};
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -339,7 +338,7 @@ pub unsafe fn run_boxed<F>(
     let failure = match catch_unwind(AssertUnwindSafe(run)) {
         Ok(Ok(())) => return,
         Ok(Err(e)) => e,
-        Err(panic) => KernelError(format!("panicked: {}", panic_message(&*panic))),
+        Err(panic) => KernelError(format!("panicked: {}", crate::xla::panic_message(&*panic))),
     };
     // Everything the kernel held is dropped by now; the throw happens outside catch_unwind (a
     // foreign exception caught there is unspecified behaviour).
@@ -511,13 +510,6 @@ fn bool_word(v: bool) -> StableIValue {
     let mut b = [0u8; 8];
     b[0] = v as u8;
     u64::from_ne_bytes(b)
-}
-
-fn panic_message(p: &(dyn Any + Send)) -> &str {
-    p.downcast_ref::<&str>()
-        .copied()
-        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(no message)")
 }
 
 /// Throws `op: message` to torch as a `c10::Error` (through `aoti_torch_check`).
