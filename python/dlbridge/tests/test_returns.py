@@ -218,40 +218,26 @@ def wait_until_sent_then_half_a_second(q) -> None:
     time.sleep(0.5)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["put", "pickled_during_exit"])
 @pytest.mark.parametrize("method", METHODS)
-def test_a_worker_that_exits_right_after_sending_waits_for_its_receiver(method):
+def test_a_worker_that_exits_right_after_sending_waits_for_its_receiver(method, late):
     """A sender exiting at once waits (at most 2 s) until its recent pickles have been opened, so
-    the memory is not gone before the receiver looks (the receiver here reads 0.5 s after the message arrived)."""
+    the memory is not gone before the receiver looks (the receiver here reads 0.5 s after the
+    message arrived). `late`, a regression (CI, CPython 3.13): the worker's `atexit` hook ran before
+    multiprocessing's finalizers flushed the queue, found no pin yet and returned; the later
+    finalizer then returned at once too (one wait per process), and the worker exited before its
+    receiver opened the pickle. There the tensor is always pickled after the `atexit` hook ran."""
     ctx = mp.get_context(method)
     q = ctx.Queue()
-    p = ctx.Process(target=put_and_exit, args=(q, 3))
+    p = ctx.Process(target=put_late_and_exit if late else put_and_exit, args=(q, 3))
     p.start()
     try:
         wait_until_sent_then_half_a_second(q)
-        u = q.get(timeout=WAIT)
-        assert list(floats(u)) == [0.0, 1.0, 2.0]
-        p.join(WAIT)
-        assert p.exitcode == 0
-    finally:
-        reap(p)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_a_worker_whose_queue_pickles_during_exit_waits_for_its_receiver(method):
-    """Regression (CI, CPython 3.13): the worker's `atexit` hook ran before multiprocessing's
-    finalizers flushed the queue, found no pin yet and returned; the later finalizer then returned at
-    once too (one wait per process), and the worker exited before its receiver opened the pickle.
-    Here the tensor is always pickled after the `atexit` hook ran; the receiver reads 0.5 s after
-    the message arrived."""
-    ctx = mp.get_context(method)
-    q = ctx.Queue()
-    p = ctx.Process(target=put_late_and_exit, args=(q, 3))
-    p.start()
-    try:
-        wait_until_sent_then_half_a_second(q)
-        zero, u = q.get(timeout=WAIT)
-        assert zero == 0
-        assert list(floats(u)) == [0.0, 1.0, 2.0]
+        got = q.get(timeout=WAIT)
+        if late:
+            zero, got = got
+            assert zero == 0
+        assert list(floats(got)) == [0.0, 1.0, 2.0]
         p.join(WAIT)
         assert p.exitcode == 0
     finally:
