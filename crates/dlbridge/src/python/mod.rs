@@ -19,25 +19,20 @@
 //! }
 //! ```
 
-mod cache;
-mod capsule;
-mod exchange;
-mod fastcall;
-mod framework;
+mod export;
 mod import;
-mod kernel;
-mod numpy;
-mod protocols;
-mod release;
-#[cfg(target_os = "linux")]
-mod shared;
-mod tensor;
+mod kernels;
+mod processes;
+mod runtime;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
-mod torch_bits;
-mod typed;
-mod types;
-mod view;
+
+use export::{framework, tensor};
+use import::{cache, exchange, numpy, protocols, torch_bits};
+use kernels::{kernel, typed, view};
+#[cfg(target_os = "linux")]
+use processes::shared;
+use runtime::{capsule, fastcall, release, types};
 
 use pyo3::prelude::*;
 

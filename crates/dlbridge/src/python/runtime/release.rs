@@ -213,7 +213,7 @@ unsafe impl Sync for HeldBuffer {}
 impl HeldBuffer {
     /// `PyObject_GetBuffer(obj, flags)` into a new heap view; the exporter's error on failure.
     pub(crate) fn get(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<Self> {
-        super::join_process(obj.py());
+        crate::python::join_process(obj.py());
         let view = Box::into_raw(Box::new(MaybeUninit::<ffi::Py_buffer>::zeroed())).cast::<ffi::Py_buffer>();
         // SAFETY: a zeroed view for the exporter to fill, at its final address.
         if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view, flags) } != 0 {

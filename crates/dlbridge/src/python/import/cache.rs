@@ -17,7 +17,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-use super::exchange::ExchangeApi;
+use crate::python::exchange::ExchangeApi;
 
 /// What a type speaks.
 #[derive(Clone, Copy)]
@@ -31,7 +31,7 @@ pub struct TypeInfo {
     /// Whether its `__dlpack__` was seen to reject the 2023 keywords (a legacy producer).
     pub legacy: bool,
     /// torch's state accessors, if the type has them (checked on every path, the protocol too).
-    pub torch: Option<&'static super::exchange::TorchState>,
+    pub torch: Option<&'static crate::python::exchange::TorchState>,
 }
 
 const CAPACITY: usize = 32;
@@ -43,7 +43,7 @@ struct Entry {
     tag: u32,
     info: TypeInfo,
     /// What results for callers of this type are returned as, once asked.
-    framework: Option<super::framework::Framework>,
+    framework: Option<crate::python::framework::Framework>,
     _keep: Py<PyType>,
 }
 
@@ -99,13 +99,13 @@ fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
             }
             _ => None,
         },
-        numpy: match (&dlpack, super::numpy::ndarray_type(ty)) {
+        numpy: match (&dlpack, crate::python::numpy::ndarray_type(ty)) {
             (Some(d), Some(nd)) => nd.getattr_opt(intern!(py, "__dlpack__"))?.is_some_and(|own| own.is(d)),
             _ => false,
         },
         dlpack: dlpack.is_some(),
         legacy: false,
-        torch: super::exchange::TorchState::of(ty),
+        torch: crate::python::exchange::TorchState::of(ty),
     };
     // The lookups above assign a version tag if the type had none yet.
     let (addr, tag) = key(ty);
@@ -156,13 +156,13 @@ pub fn mark_legacy(ty: &Bound<'_, PyType>) {
     });
 }
 
-/// The framework of `ty` (see [`super::framework`]), found by `find` on the first call for the
+/// The framework of `ty` (see [`crate::python::framework`]), found by `find` on the first call for the
 /// type and cached with the type's entry.
 #[inline]
 pub fn framework(
     ty: &Bound<'_, PyType>,
-    find: fn(&Bound<'_, PyType>) -> PyResult<super::framework::Framework>,
-) -> PyResult<super::framework::Framework> {
+    find: fn(&Bound<'_, PyType>) -> PyResult<crate::python::framework::Framework>,
+) -> PyResult<crate::python::framework::Framework> {
     let (addr, tag) = key(ty);
     if tag != 0 {
         let hit = CACHE

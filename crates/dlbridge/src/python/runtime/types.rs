@@ -37,7 +37,7 @@ fn exception(e: &Error, msg: String) -> PyErr {
 /// `e` as the exception for the argument `name`, as PyO3 reports a failed argument conversion:
 /// the error's own message, with the note `while processing 'x'` (PEP 678, shown in tracebacks;
 /// Python 3.11 and later). For arguments a function converts itself, such as
-/// [`super::TensorView::typed`] after a dtype dispatch, so both kinds read the same.
+/// [`crate::python::TensorView::typed`] after a dtype dispatch, so both kinds read the same.
 pub fn argument_error(name: &str, e: Error) -> PyErr {
     let err = PyErr::from(e);
     Python::attach(|py| {

@@ -13,15 +13,15 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::cache;
-use super::import::{ImportOptions, from_dlpack_with};
-use super::release::HeldBuffer;
-use super::tensor::Tensor;
 use crate::device::Device;
 use crate::dims::Dims;
 use crate::ffi::DLTensor;
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
+use crate::python::cache;
+use crate::python::import::{ImportOptions, from_dlpack_with};
+use crate::python::release::HeldBuffer;
+use crate::python::tensor::Tensor;
 use crate::spec::Spec;
 
 /// Where a borrowed `DLTensor` and the dims it points into live while the view exists: one heap
@@ -34,11 +34,11 @@ struct Borrow {
     /// torch's state accessors when the view came through torch's exchange table: its rule on
     /// in-place writes is checked when mutable access is asked for. (Here rather than in the
     /// view, which every numpy argument builds and returns: one field fewer to move.)
-    torch: Option<&'static super::exchange::TorchState>,
+    torch: Option<&'static crate::python::exchange::TorchState>,
     /// The hold on a torch tensor's memory (see `torch_bits::Keep`): whatever Python code the
     /// kernel runs (`x.set_()`, `x.resize_()`, `x.share_memory_()`), the memory stays valid while
     /// the view lives.
-    kept: Option<super::torch_bits::Kept>,
+    kept: Option<crate::python::torch_bits::Kept>,
 }
 
 thread_local! {
@@ -106,12 +106,12 @@ impl TensorView<'_> {
         state.refuse_write(&obj)?;
         // The bump before the check below: where torch's Python function bumps (not exactly
         // `torch.Tensor`, or ATen not verified), that Python may replace the storage too.
-        super::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
+        crate::python::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
             field: "_version",
             reason: format!("could not be bumped: {e}"),
         })?;
         let moved = |reason: &str| crate::Error::WriteRefused { field: "data", reason: reason.into() };
-        let api = super::cache::type_info(&obj.get_type())
+        let api = crate::python::cache::type_info(&obj.get_type())
             .ok()
             .and_then(|info| info.exchange)
             .ok_or_else(|| moved("the tensor's type lost its exchange table"))?;
@@ -145,11 +145,13 @@ impl TensorView<'_> {
     }
 
     /// The torch state of a torch tensor's view, with the GIL this thread must hold to use it.
-    fn torch_attached(&self) -> crate::Result<Option<(&'static super::exchange::TorchState, Python<'_>)>> {
+    fn torch_attached(
+        &self,
+    ) -> crate::Result<Option<(&'static crate::python::exchange::TorchState, Python<'_>)>> {
         // SAFETY: the block is owned by this view and alive until it drops.
         let torch = self.borrow.and_then(|b| unsafe { b.as_ref() }.torch);
         let Some(state) = torch else { return Ok(None) };
-        if !super::release::attached_here() {
+        if !crate::python::release::attached_here() {
             return Err(crate::Error::WriteRefused {
                 field: "requires_grad",
                 reason: "mutable access to a torch tensor needs this thread to hold the GIL (it reads \
@@ -183,13 +185,13 @@ impl<'a> TensorView<'a> {
     }
 
     /// The framework the viewed object belongs to: what results should be returned as
-    /// (see [`super::Framework`]).
-    pub fn framework(&self, py: Python<'_>) -> PyResult<super::Framework> {
-        super::Framework::of(&self.object(py))
+    /// (see [`crate::python::Framework`]).
+    pub fn framework(&self, py: Python<'_>) -> PyResult<crate::python::Framework> {
+        crate::python::Framework::of(&self.object(py))
     }
 
     /// This view with its requirements stated as types, checked once ([`crate::spec`]): a
-    /// [`super::TensorRef`], or [`crate::Error::Mismatch`] (a `TypeError` in Python) naming the
+    /// [`crate::python::TensorRef`], or [`crate::Error::Mismatch`] (a `TypeError` in Python) naming the
     /// first field that failed. For kernels that dispatch on the dtype at run time:
     ///
     /// ```no_run
@@ -212,8 +214,8 @@ impl<'a> TensorView<'a> {
         D: crate::spec::DeviceSpec,
     >(
         self,
-    ) -> crate::Result<super::TensorRef<'a, T, S, O, D>> {
-        super::TensorRef::new(self)
+    ) -> crate::Result<crate::python::TensorRef<'a, T, S, O, D>> {
+        crate::python::TensorRef::new(self)
     }
 
     /// [`TensorView::typed`] for writing: the tensor must also be writable (not read-only, no
@@ -225,11 +227,11 @@ impl<'a> TensorView<'a> {
         D: crate::spec::DeviceSpec,
     >(
         self,
-    ) -> crate::Result<super::TensorMut<'a, T, S, O, D>> {
+    ) -> crate::Result<crate::python::TensorMut<'a, T, S, O, D>> {
         // The stated requirements first: a mismatch bumps nothing.
-        self.check(&super::TensorMut::<'a, T, S, O, D>::SPEC)?;
+        self.check(&crate::python::TensorMut::<'a, T, S, O, D>::SPEC)?;
         self.prepare_producer_write()?;
-        super::TensorMut::new(self)
+        crate::python::TensorMut::new(self)
     }
 
     /// Borrows `obj` for as long as the reference to it lives: the view cannot outlive the object.
@@ -271,14 +273,14 @@ impl<'a> TensorView<'a> {
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
     pub(crate) unsafe fn borrow_checked(obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Self> {
-        super::enter(obj.py());
+        crate::python::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
         // SAFETY: a live object's address is never NULL.
         let source = unsafe { NonNull::new_unchecked(obj.as_ptr()) };
         // (No `Option<PyResult<Self>>` in between either: the view is written in place.)
-        if let Some(p) = super::numpy::parts_exact(obj) {
+        if let Some(p) = crate::python::numpy::parts_exact(obj) {
             let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
             if let Some(block) = Self::numpy_block(p) {
                 return Self::from_borrow(block, flags, source, spec);
@@ -365,9 +367,9 @@ impl<'a> TensorView<'a> {
 
     /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
     /// item size (then DLPack describes the array, or refuses it, instead).
-    fn numpy_block(p: super::numpy::NumpyParts<'_>) -> Option<Box<Borrow>> {
+    fn numpy_block(p: crate::python::numpy::NumpyParts<'_>) -> Option<Box<Borrow>> {
         let mut b = blank();
-        if !super::numpy::fill_dims(&p, &mut b.dims) {
+        if !crate::python::numpy::fill_dims(&p, &mut b.dims) {
             recycle(b);
             return None;
         }
@@ -387,7 +389,7 @@ impl<'a> TensorView<'a> {
     /// A numpy array as a view: the common case without a `Result` in between.
     #[inline(always)]
     fn from_numpy(
-        p: super::numpy::NumpyParts<'_>,
+        p: crate::python::numpy::NumpyParts<'_>,
         source: NonNull<ffi::PyObject>,
         spec: &Spec,
     ) -> Option<PyResult<Self>> {
@@ -407,7 +409,8 @@ impl<'a> TensorView<'a> {
         }
         let info = cache::type_info(&obj.get_type())?;
         if info.numpy {
-            if let Some(v) = super::numpy::parts(obj).and_then(|p| Self::from_numpy(p, source, spec)) {
+            if let Some(v) = crate::python::numpy::parts(obj).and_then(|p| Self::from_numpy(p, source, spec))
+            {
                 return v;
             }
         }
@@ -432,7 +435,9 @@ impl<'a> TensorView<'a> {
                     if b.torch.is_some() {
                         // No Python has run since the table's description: the storage kept is the
                         // one it describes.
-                        match super::torch_bits::aten_bits_found(obj.py()).and_then(|a| a.keep_memory(obj)) {
+                        match crate::python::torch_bits::aten_bits_found(obj.py())
+                            .and_then(|a| a.keep_memory(obj))
+                        {
                             Some(Ok(kept)) => b.kept = kept,
                             Some(Err(why)) => {
                                 recycle(b);
@@ -463,11 +468,11 @@ impl<'a> TensorView<'a> {
                 Err(e) => return Err(e),
             }
         } else if !info.dlpack
-            && !super::capsule::is_capsule(obj)
+            && !crate::python::capsule::is_capsule(obj)
             && !obj.hasattr(pyo3::intern!(obj.py(), "__dlpack__"))?
         {
             // What an argument takes, worded as every path words it (no function named).
-            return Err(super::protocols::not_an_array(obj, "__dlpack__ or the buffer protocol"));
+            return Err(crate::python::protocols::not_an_array(obj, "__dlpack__ or the buffer protocol"));
         }
         Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source).checked(spec)
     }
@@ -475,7 +480,7 @@ impl<'a> TensorView<'a> {
     fn from_buffer(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>, spec: &Spec) -> PyResult<Self> {
         let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
         let mut b = blank();
-        let m = match super::protocols::read_view(held.view(), &mut b.dims) {
+        let m = match crate::python::protocols::read_view(held.view(), &mut b.dims) {
             Ok(m) => m,
             Err(e) => {
                 recycle(b);
@@ -513,7 +518,7 @@ impl Drop for TensorView<'_> {
 /// where nothing else holds it (`source`: the viewed object, alive).
 fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
     let Some(kept) = b.kept.take() else { return };
-    if !super::release::attached_here() {
+    if !crate::python::release::attached_here() {
         // (A view is dropped where it was made, with the GIL; without it the hold is kept: the
         // last holder may run a deleter that takes the GIL.)
         return drop(kept);
@@ -523,7 +528,7 @@ fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
         let py = Python::assume_attached();
         (py, Borrowed::from_ptr(py, source.as_ptr()))
     };
-    match super::torch_bits::aten_bits_found(py) {
+    match crate::python::torch_bits::aten_bits_found(py) {
         Some(bits) => bits.release_memory(&obj, kept),
         None => drop(kept),
     }

@@ -4,7 +4,7 @@
 //! mismatch is a `TypeError` that PyO3 prefixes with the argument's name:
 //! `expected float32 2-d C-contiguous cpu tensor, got float64 (3, 4) strides (1, 3) on cpu`, which
 //! PyO3 tags with the note `while processing 'x'` (Python 3.11 and later); Rust code that converts
-//! by hand ([`TensorView::typed`]) gets [`crate::Error::Mismatch`] (and [`super::argument_error`]
+//! by hand ([`TensorView::typed`]) gets [`crate::Error::Mismatch`] (and [`crate::python::argument_error`]
 //! words it the same way).
 //!
 //! ```no_run
@@ -59,9 +59,9 @@ use std::marker::PhantomData;
 
 use pyo3::prelude::*;
 
-use super::view::TensorView;
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
+use crate::python::view::TensorView;
 use crate::spec::{AnyOrder, AnyShape, Compact, Cpu, DeviceSpec, OrderSpec, ShapeSpec, SpecOf};
 
 /// The requirement types, held without owning anything (`Send`/`Sync` follow the view alone).
@@ -193,8 +193,8 @@ macro_rules! common {
                 self.view.object(py)
             }
 
-            /// The caller's framework: return results as it ([`super::Framework`]).
-            pub fn framework(&self, py: Python<'_>) -> PyResult<super::Framework> {
+            /// The caller's framework: return results as it ([`crate::python::Framework`]).
+            pub fn framework(&self, py: Python<'_>) -> PyResult<crate::python::Framework> {
                 self.view.framework(py)
             }
 
@@ -205,8 +205,8 @@ macro_rules! common {
             }
 
             /// A new tensor of `U` with this one's shape and device, in the caller's framework
-            /// ([`super::Framework::empty`]): fill it and return it.
-            pub fn empty_like<U: Element>(&self, py: Python<'_>) -> PyResult<super::Output<U>> {
+            /// ([`crate::python::Framework::empty`]): fill it and return it.
+            pub fn empty_like<U: Element>(&self, py: Python<'_>) -> PyResult<crate::python::Output<U>> {
                 self.framework(py)?.empty_like::<U>(py, self.untyped())
             }
         }
@@ -291,7 +291,7 @@ fn extract_checked<'a>(
 /// bumps nothing, and is dropped: the Python of the bump could free what it describes).
 #[inline(never)]
 fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec) -> PyResult<TensorView<'a>> {
-    let torch = super::cache::type_info(&obj.get_type())?.torch;
+    let torch = crate::python::cache::type_info(&obj.get_type())?.torch;
     if let Some(state) = torch {
         // What torch refuses of an in-place write is refused here, at conversion (the argument named).
         state.refuse_write(&obj)?;
@@ -310,7 +310,7 @@ fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec)
 /// Bumps a torch tensor's version counter (after `TorchState::refuse_write`), as torch's own
 /// in-place operations do, so autograd refuses a backward pass through a value a kernel overwrote
 /// ("modified by an inplace operation") instead of computing wrong gradients: through ATen's
-/// `bump_version` where verified (exactly `torch.Tensor`, [`super::torch_bits`]; a tensor without
+/// `bump_version` where verified (exactly `torch.Tensor`, [`crate::python::torch_bits`]; a tensor without
 /// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here), which runs
 /// Python: call it before taking a view that is used afterwards.
 pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -323,8 +323,8 @@ pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
 #[inline]
 fn bump_version_in_aten(obj: &Bound<'_, PyAny>) -> bool {
     matches!(
-        super::torch_bits::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
-        Some(super::torch_bits::Bump::Done | super::torch_bits::Bump::NoCounter)
+        crate::python::torch_bits::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
+        Some(crate::python::torch_bits::Bump::Done | crate::python::torch_bits::Bump::NoCounter)
     )
 }
 

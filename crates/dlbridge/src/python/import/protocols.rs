@@ -14,9 +14,6 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::capsule::is_capsule;
-use super::import::{ImportOptions, from_dlpack_with};
-use super::release::HeldBuffer;
 use crate::cuda::Driver;
 use crate::device::Device;
 use crate::dims::Dims;
@@ -24,6 +21,9 @@ use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::interface;
 use crate::managed::ManagedTensor;
+use crate::python::capsule::is_capsule;
+use crate::python::import::{ImportOptions, from_dlpack_with};
+use crate::python::release::HeldBuffer;
 
 /// Keeps a Python object alive for as long as a tensor uses its memory. Dropped with the GIL it
 /// releases the reference at once; dropped without (a consumer's worker thread) it never waits for
@@ -41,7 +41,7 @@ impl PyOwner {
     /// Owns a reference to `obj`.
     pub fn new(obj: &Bound<'_, PyAny>) -> Self {
         // Registers the atexit hook that keeps a late release off a finalizing interpreter.
-        super::join_process(obj.py());
+        crate::python::join_process(obj.py());
         // SAFETY: a live object's pointer, never NULL.
         Self(unsafe { NonNull::new_unchecked(obj.clone().into_ptr()) })
     }
@@ -50,7 +50,7 @@ impl PyOwner {
 impl Drop for PyOwner {
     fn drop(&mut self) {
         // SAFETY: the strong reference `new` took, given up once.
-        unsafe { super::release::release_object(self.0) }
+        unsafe { crate::python::release::release_object(self.0) }
     }
 }
 
@@ -74,15 +74,15 @@ pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult
     let plain = |tensor| Ok(AnyTensor { tensor, producer_stream: None });
     // Whether the type defines __dlpack__ comes from the per-type cache (no attribute lookup on
     // the object, which would make a bound method each call).
-    if super::numpy::parts_exact(obj).is_some()
-        || obj.cast_exact::<super::Tensor>().is_ok()
+    if crate::python::numpy::parts_exact(obj).is_some()
+        || obj.cast_exact::<crate::python::Tensor>().is_ok()
         || is_capsule(obj)
-        || super::cache::type_info(&obj.get_type())?.dlpack
+        || crate::python::cache::type_info(&obj.get_type())?.dlpack
     {
         return plain(from_dlpack_with(obj, &ImportOptions::default())?);
     }
     // The DLPack producers above entered through from_dlpack_with; the other protocols here.
-    super::enter(py);
+    crate::python::enter(py);
     // SAFETY: a type-slot check on a live object.
     if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
         return plain(from_buffer(obj)?);

@@ -12,13 +12,13 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 
-use super::cache;
-use super::capsule::{consume, is_capsule};
-use super::tensor::Tensor;
-use super::types::extract_device;
 use crate::device::{Device, DeviceType};
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
+use crate::python::cache;
+use crate::python::capsule::{consume, is_capsule};
+use crate::python::tensor::Tensor;
+use crate::python::types::extract_device;
 
 /// How to import: the keyword arguments of `dlbridge.from_dlpack`.
 #[derive(Default, Clone)]
@@ -108,11 +108,11 @@ fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
 /// Imports any DLPack producer (or bare capsule) with the given options.
 pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<ManagedTensor> {
     let py = obj.py();
-    super::enter(py);
+    crate::python::enter(py);
     let plain =
         opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
     if plain {
-        if let Some(p) = super::numpy::parts_exact(obj) {
+        if let Some(p) = crate::python::numpy::parts_exact(obj) {
             if let Some(t) = from_numpy(obj, p)? {
                 return finish(t, opts, false);
             }
@@ -131,7 +131,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
     let ty = obj.get_type();
     let info = cache::type_info(&ty)?;
     if plain && info.numpy {
-        if let Some(t) = super::numpy::parts(obj).map(|p| from_numpy(obj, p)).transpose()?.flatten() {
+        if let Some(t) = crate::python::numpy::parts(obj).map(|p| from_numpy(obj, p)).transpose()?.flatten() {
             return finish(t, opts, false);
         }
     }
@@ -150,7 +150,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
         }
     }
     if !info.dlpack && !obj.hasattr(intern!(py, "__dlpack__"))? {
-        return Err(super::protocols::not_an_array(obj, "__dlpack__ or a DLPack capsule"));
+        return Err(crate::python::protocols::not_an_array(obj, "__dlpack__ or a DLPack capsule"));
     }
     // Asked first, as the standard says (it is how a consumer picks a stream), and checked against
     // the capsule below. The hot producers (numpy, torch) never reach this path.
@@ -159,7 +159,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
     // (a copy resolves it): refused here as on the table path.
     if let Some(state) = info.torch {
         if opts.copy != Some(true) {
-            super::exchange::refuse_negative_bit(obj, state)?;
+            crate::python::exchange::refuse_negative_bit(obj, state)?;
         }
     }
     // The standard: a consumer passes `stream` only for device memory (numpy refuses any other).
@@ -215,12 +215,15 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
     finish(mt, opts, self_copy)
 }
 
-/// A numpy array read through its struct (see [`super::numpy`]), owning a reference to it; `None`
+/// A numpy array read through its struct (see [`crate::python::numpy`]), owning a reference to it; `None`
 /// when the layout needs numpy's own refusal (a stride that is not a multiple of the item size).
-fn from_numpy(obj: &Bound<'_, PyAny>, p: super::numpy::NumpyParts<'_>) -> PyResult<Option<ManagedTensor>> {
+fn from_numpy(
+    obj: &Bound<'_, PyAny>,
+    p: crate::python::numpy::NumpyParts<'_>,
+) -> PyResult<Option<ManagedTensor>> {
     // Inline for up to 8 dimensions (no allocation), as every view and export keeps its dims.
     let mut dims = crate::dims::Dims::new();
-    if !super::numpy::fill_dims(&p, &mut dims) {
+    if !crate::python::numpy::fill_dims(&p, &mut dims) {
         return Ok(None);
     }
     let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);
@@ -234,7 +237,7 @@ fn from_numpy(obj: &Bound<'_, PyAny>, p: super::numpy::NumpyParts<'_>) -> PyResu
             Some(dims.strides()),
             0,
             flags,
-            super::PyOwner::new(obj),
+            crate::python::PyOwner::new(obj),
         )
     }?;
     Ok(Some(t))

@@ -13,13 +13,13 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyTuple};
 
-use super::capsule::{legacy_capsule, versioned_capsule};
-use super::fastcall::{self, StaticDef};
-use super::types::{PyDType, PyDevice, dlpack_device_tuple};
 use crate::device::{Device, DeviceType};
 use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
+use crate::python::capsule::{legacy_capsule, versioned_capsule};
+use crate::python::fastcall::{self, StaticDef};
+use crate::python::types::{PyDType, PyDevice, dlpack_device_tuple};
 
 /// A DLPack tensor owned by dlbridge: any DLPack consumer (numpy, torch, jax, ...) accepts it,
 /// as often as asked.
@@ -159,7 +159,7 @@ unsafe extern "C" fn dlpack_fastcall(
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls a method with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    super::release::drain_queued(py);
+    crate::python::release::drain_queued(py);
     fastcall::run(py, || {
         let names = [
             pyo3::intern!(py, "stream"),
@@ -295,7 +295,7 @@ impl Tensor {
     /// take dlbridge tensors without calling into Python.
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(super::exchange::tensor_exchange_capsule(py)?.unbind())
+        Ok(crate::python::exchange::tensor_exchange_capsule(py)?.unbind())
     }
 
     /// Exports a DLPack capsule, per the array API standard: a versioned (1.3) capsule when
@@ -315,7 +315,7 @@ impl Tensor {
     /// `python/shared.rs`.
     #[cfg(target_os = "linux")]
     fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
-        super::shared::reduce_ex(slf, protocol)
+        crate::python::shared::reduce_ex(slf, protocol)
     }
 
     /// `copy.deepcopy`: new memory (a shared tensor's copy is a new shared tensor; a tensor in
@@ -323,7 +323,7 @@ impl Tensor {
     #[cfg(target_os = "linux")]
     fn __deepcopy__<'py>(slf: &Bound<'py, Self>, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let _ = memo; // nothing inside a Tensor is a Python object to memoise
-        super::shared::deepcopy(slf)
+        crate::python::shared::deepcopy(slf)
     }
 
     /// `(DeviceType, id)`.

@@ -1,0 +1,4 @@
+//! From Rust tensors back to Python.
+
+pub(in crate::python) mod framework;
+pub(in crate::python) mod tensor;
