@@ -27,7 +27,7 @@ mod runtime;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
 
-use export::{framework, tensor};
+use export::framework;
 use import::{cache, exchange, numpy, protocols, torch_bits};
 use kernels::{kernel, typed, view};
 #[cfg(target_os = "linux")]
@@ -43,9 +43,10 @@ pub use exchange::{EXCHANGE_API_CAPSULE, ExchangeApi, TENSOR_EXCHANGE_API};
 pub use framework::{Framework, Output};
 pub use import::{ImportOptions, from_dlpack_with};
 pub use kernel::{KernelDef, add_kernel, xla_capsule};
-pub use protocols::{AnyTensor, PyOwner, asdlpack_with};
-pub use tensor::Tensor;
+pub use protocols::{AnyTensor, asdlpack_with};
+pub use release::PyOwner;
 pub use typed::{HostSpec, TensorMut, TensorRef};
+pub use types::Tensor;
 pub use types::{PyDType, PyDevice, argument_error, device_type_enum, device_type_member};
 pub use view::TensorView;
 
@@ -151,41 +152,10 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     shared::add(m)?;
     #[cfg(feature = "test-hooks")]
     test_hooks::add(m)?;
-    join_process(py);
+    release::join_process(py);
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
         m.add(t.to_string().as_str(), PyDType(t))?;
     }
     Ok(())
-}
-
-/// Whether this copy of the crate has joined the process: registered the `atexit` hook that stops
-/// deferred releases before the interpreter is torn down. (The borrow registry needs no joining:
-/// every copy finds the process's through `crate::process_wide`.)
-static JOINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Joins the process (see [`JOINED`]) once: every entry point from Python calls it (one relaxed load
-/// after the first time), so a downstream extension that never calls [`init_module`] joins too.
-#[inline]
-pub(crate) fn join_process(py: Python<'_>) {
-    if !JOINED.load(std::sync::atomic::Ordering::Relaxed) {
-        join(py);
-    }
-}
-
-/// What every import entry point does first, with the GIL: release what drops on threads without
-/// the GIL queued, and join the process (both one relaxed load when there is nothing to do).
-#[inline]
-pub(crate) fn enter(py: Python<'_>) {
-    release::drain_queued(py);
-    join_process(py);
-}
-
-#[cold]
-fn join(py: Python<'_>) {
-    // Under the GIL, so two threads of this module never race here; not joined until the hook is
-    // registered (then the caller tries again at its next entry).
-    if release::register_atexit(py) {
-        JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
 }

@@ -40,7 +40,7 @@ use crate::device::Device;
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
 use crate::python::exchange::ExchangeApi;
-use crate::python::tensor::Tensor;
+use crate::python::types::Tensor;
 
 /// A framework that results can be returned as (see the module docs): found from an input
 /// ([`Framework::of`]) or named ([`Framework::numpy`], [`Framework::torch`],

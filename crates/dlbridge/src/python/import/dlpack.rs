@@ -17,7 +17,7 @@ use crate::flags::Flags;
 use crate::managed::ManagedTensor;
 use crate::python::cache;
 use crate::python::capsule::{consume, is_capsule};
-use crate::python::tensor::Tensor;
+use crate::python::types::Tensor;
 use crate::python::types::extract_device;
 
 /// How to import: the keyword arguments of `dlbridge.from_dlpack`.
@@ -108,7 +108,7 @@ fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
 /// Imports any DLPack producer (or bare capsule) with the given options.
 pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<ManagedTensor> {
     let py = obj.py();
-    crate::python::enter(py);
+    crate::python::release::enter(py);
     let plain =
         opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
     if plain {
@@ -237,7 +237,7 @@ fn from_numpy(
             Some(dims.strides()),
             0,
             flags,
-            crate::python::PyOwner::new(obj),
+            crate::python::release::PyOwner::new(obj),
         )
     }?;
     Ok(Some(t))

@@ -27,7 +27,7 @@ use crate::ffi::{
     DLPackVersion, DLTensor,
 };
 use crate::managed::ManagedTensor;
-use crate::python::tensor::Tensor;
+use crate::python::types::Tensor;
 
 /// Name of the capsule holding an exchange table (DLPack 1.3).
 pub const EXCHANGE_API_CAPSULE: &CStr = c"dlpack_exchange_api";

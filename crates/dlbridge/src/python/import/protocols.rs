@@ -6,7 +6,6 @@
 //! refusal names the protocol, the object's type and the field.
 
 use std::ffi::CStr;
-use std::ptr::NonNull;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -23,36 +22,7 @@ use crate::interface;
 use crate::managed::ManagedTensor;
 use crate::python::capsule::is_capsule;
 use crate::python::import::{ImportOptions, from_dlpack_with};
-use crate::python::release::HeldBuffer;
-
-/// Keeps a Python object alive for as long as a tensor uses its memory. Dropped with the GIL it
-/// releases the reference at once; dropped without (a consumer's worker thread) it never waits for
-/// the GIL, which could deadlock, but queues the release (see `release.rs`); after finalization
-/// it leaks the reference rather than touch a dead interpreter.
-pub struct PyOwner(NonNull<ffi::PyObject>);
-
-// SAFETY: the reference is only released with the GIL held (queued otherwise); nothing else
-// dereferences it.
-unsafe impl Send for PyOwner {}
-// SAFETY: shared access does nothing with the pointer.
-unsafe impl Sync for PyOwner {}
-
-impl PyOwner {
-    /// Owns a reference to `obj`.
-    pub fn new(obj: &Bound<'_, PyAny>) -> Self {
-        // Registers the atexit hook that keeps a late release off a finalizing interpreter.
-        crate::python::join_process(obj.py());
-        // SAFETY: a live object's pointer, never NULL.
-        Self(unsafe { NonNull::new_unchecked(obj.clone().into_ptr()) })
-    }
-}
-
-impl Drop for PyOwner {
-    fn drop(&mut self) {
-        // SAFETY: the strong reference `new` took, given up once.
-        unsafe { crate::python::release::release_object(self.0) }
-    }
-}
+use crate::python::release::{HeldBuffer, PyOwner};
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().fully_qualified_name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
@@ -82,7 +52,7 @@ pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult
         return plain(from_dlpack_with(obj, &ImportOptions::default())?);
     }
     // The DLPack producers above entered through from_dlpack_with; the other protocols here.
-    crate::python::enter(py);
+    crate::python::release::enter(py);
     // SAFETY: a type-slot check on a live object.
     if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
         return plain(from_buffer(obj)?);

@@ -21,7 +21,7 @@ use crate::managed::ManagedTensor;
 use crate::python::cache;
 use crate::python::import::{ImportOptions, from_dlpack_with};
 use crate::python::release::HeldBuffer;
-use crate::python::tensor::Tensor;
+use crate::python::types::Tensor;
 use crate::spec::Spec;
 
 /// Where a borrowed `DLTensor` and the dims it points into live while the view exists: one heap
@@ -273,7 +273,7 @@ impl<'a> TensorView<'a> {
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
     pub(crate) unsafe fn borrow_checked(obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Self> {
-        crate::python::enter(obj.py());
+        crate::python::release::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
