@@ -41,9 +41,9 @@ pub use capsule::{
 };
 pub use exchange::{EXCHANGE_API_CAPSULE, ExchangeApi, TENSOR_EXCHANGE_API};
 pub use framework::{Framework, Output};
+pub use import::{AnyTensor, asdlpack_with};
 pub use import::{ImportOptions, from_dlpack_with};
 pub use kernel::{KernelDef, add_kernel, xla_capsule};
-pub use protocols::{AnyTensor, asdlpack_with};
 pub use release::PyOwner;
 pub use typed::{HostSpec, TensorMut, TensorRef};
 pub use types::Tensor;

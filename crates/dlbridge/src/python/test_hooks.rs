@@ -198,7 +198,7 @@ impl HostileBuffer {
 /// Returns after the worker finished.
 #[pyfunction]
 fn _drop_while_caller_holds_the_gil(x: &Bound<'_, PyAny>) -> PyResult<()> {
-    let t = super::protocols::asdlpack_with(x, None)?.tensor;
+    let t = super::asdlpack_with(x, None)?.tensor;
     std::thread::scope(|s| s.spawn(move || drop(t)).join())
         .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the worker thread panicked"))
 }

@@ -15,7 +15,9 @@ use std::sync::OnceLock;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::device::Device;
 use crate::dtype::DataType;
+use crate::managed::ManagedTensor;
 
 #[repr(C)]
 struct ArrayFields {
@@ -412,4 +414,30 @@ pub fn adopt<'py>(
         }
         Ok(Ok(arr))
     }
+}
+
+/// A numpy array read through its struct (see the module docs), owning a reference to it; `None`
+/// when the layout needs numpy's own refusal (a stride that is not a multiple of the item size).
+#[inline]
+pub(super) fn from_numpy(obj: &Bound<'_, PyAny>, p: NumpyParts<'_>) -> PyResult<Option<ManagedTensor>> {
+    // Inline for up to 8 dimensions (no allocation), as every view and export keeps its dims.
+    let mut dims = crate::dims::Dims::new();
+    if !fill_dims(&p, &mut dims) {
+        return Ok(None);
+    }
+    let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);
+    // SAFETY: numpy's own description of the array's memory, which the owner keeps alive.
+    let t = unsafe {
+        ManagedTensor::from_raw_parts(
+            p.data,
+            Device::CPU,
+            p.dtype,
+            dims.shape(),
+            Some(dims.strides()),
+            0,
+            flags,
+            crate::python::release::PyOwner::new(obj),
+        )
+    }?;
+    Ok(Some(t))
 }

@@ -1,15 +1,12 @@
-//! `asdlpack`: any object that speaks an array protocol, as a [`ManagedTensor`].
-//!
-//! Sources, in order: a `dlbridge.Tensor`, a bare DLPack capsule, `__dlpack__` (the full
-//! negotiation of `from_dlpack`), the buffer protocol, `__array_interface__` (v3), and
-//! `__cuda_array_interface__` (v2, v3). Every field of the non-DLPack protocols is checked, and a
+//! The other protocols `asdlpack` takes, as a [`ManagedTensor`]: the buffer protocol,
+//! `__array_interface__` (v3) and `__cuda_array_interface__` (v2, v3) (which one speaks is
+//! [`super::dispatch`]'s choice). Every field of the non-DLPack protocols is checked, and a
 //! refusal names the protocol, the object's type and the field.
 
 use std::ffi::CStr;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -20,8 +17,6 @@ use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::interface;
 use crate::managed::ManagedTensor;
-use crate::python::capsule::is_capsule;
-use crate::python::import::{ImportOptions, from_dlpack_with};
 use crate::python::release::{HeldBuffer, PyOwner};
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -34,36 +29,6 @@ pub struct AnyTensor {
     pub tensor: ManagedTensor,
     /// The producer's CUDA stream (`__cuda_array_interface__` v3), to be waited on by consumers.
     pub producer_stream: Option<usize>,
-}
-
-/// Imports any object that speaks DLPack, the buffer protocol, `__array_interface__` or
-/// `__cuda_array_interface__`. `device_id` names the CUDA device of a CUDA-array-interface pointer
-/// when no CUDA driver can tell.
-pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult<AnyTensor> {
-    let py = obj.py();
-    let plain = |tensor| Ok(AnyTensor { tensor, producer_stream: None });
-    // Whether the type defines __dlpack__ comes from the per-type cache (no attribute lookup on
-    // the object, which would make a bound method each call).
-    if crate::python::numpy::parts_exact(obj).is_some()
-        || obj.cast_exact::<crate::python::Tensor>().is_ok()
-        || is_capsule(obj)
-        || crate::python::cache::type_info(&obj.get_type())?.dlpack
-    {
-        return plain(from_dlpack_with(obj, &ImportOptions::default())?);
-    }
-    // The DLPack producers above entered through from_dlpack_with; the other protocols here.
-    crate::python::release::enter(py);
-    // SAFETY: a type-slot check on a live object.
-    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
-        return plain(from_buffer(obj)?);
-    }
-    if let Some(ai) = obj.getattr_opt(intern!(py, "__array_interface__"))? {
-        return plain(from_array_interface(obj, &ai)?);
-    }
-    if let Some(cai) = obj.getattr_opt(intern!(py, "__cuda_array_interface__"))? {
-        return from_cuda_array_interface(obj, &cai, device_id);
-    }
-    Err(not_an_array(obj, ""))
 }
 
 /// The one refusal of an object that is not an array, on every path (from_dlpack, arguments,
@@ -157,7 +122,7 @@ pub(crate) fn read_view(v: &ffi::Py_buffer, dims: &mut Dims) -> Result<ViewMeta,
     Ok(ViewMeta { dtype, readonly: v.readonly != 0 })
 }
 
-fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+pub(super) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
     let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
     let mut dims = Dims::new();
     let m = read_view(held.view(), &mut dims).map_err(|e| buffer_error(obj, e))?;
@@ -302,7 +267,7 @@ fn pointer_pair(who: &str, data: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
     Ok((ptr, ro))
 }
 
-fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+pub(super) fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
     let who = format!("__array_interface__ of {}", type_name(obj));
     let iface = interface_fields(obj, "__array_interface__", ai, &[3])?;
     let (d, shape) = (iface.dict.clone(), iface.shape.clone());
@@ -377,7 +342,7 @@ fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResu
     }
 }
 
-fn from_cuda_array_interface(
+pub(super) fn from_cuda_array_interface(
     obj: &Bound<'_, PyAny>,
     cai: &Bound<'_, PyAny>,
     device_id: Option<i32>,

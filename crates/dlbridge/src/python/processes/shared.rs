@@ -65,7 +65,7 @@ use crate::flags::Flags;
 use crate::layout;
 use crate::managed::ManagedTensor;
 use crate::python::Tensor;
-use crate::python::protocols::asdlpack_with;
+use crate::python::import::asdlpack_with;
 use crate::python::types::PyDType;
 use crate::shm::{Handle, Pin, Segment, SegmentId};
 
