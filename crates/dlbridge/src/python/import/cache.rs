@@ -10,6 +10,7 @@
 //! sets the flag). The cache is thread-local: no lock on the hot path. A type without a valid tag
 //! (rare) is simply not cached.
 
+use std::any::Any;
 use std::cell::RefCell;
 
 use pyo3::ffi;
@@ -42,8 +43,10 @@ struct Entry {
     addr: usize,
     tag: u32,
     info: TypeInfo,
-    /// What results for callers of this type are returned as, once asked.
-    framework: Option<crate::python::framework::Framework>,
+    /// What results for callers of this type are returned as, once asked (a
+    /// [`crate::python::Framework`], which this cache holds without knowing it: the layer above
+    /// stores it here, see [`framework`]).
+    framework: Option<Box<dyn Any>>,
     _keep: Py<PyType>,
 }
 
@@ -156,17 +159,20 @@ pub fn mark_legacy(ty: &Bound<'_, PyType>) {
     });
 }
 
-/// The framework of `ty` (see [`crate::python::framework`]), found by `find` on the first call for the
-/// type and cached with the type's entry.
+/// The framework of `ty` (a [`crate::python::Framework`]; any `F` the caller always uses), found
+/// by `find` on the first call for the type and cached with the type's entry.
 #[inline]
-pub fn framework(
+pub fn framework<F: Copy + 'static>(
     ty: &Bound<'_, PyType>,
-    find: fn(&Bound<'_, PyType>) -> PyResult<crate::python::framework::Framework>,
-) -> PyResult<crate::python::framework::Framework> {
+    find: fn(&Bound<'_, PyType>) -> PyResult<F>,
+) -> PyResult<F> {
     let (addr, tag) = key(ty);
     if tag != 0 {
-        let hit = CACHE
-            .with_borrow(|c| c.iter().find(|e| e.addr == addr && e.tag == tag).and_then(|e| e.framework));
+        let hit = CACHE.with_borrow(|c| {
+            c.iter()
+                .find(|e| e.addr == addr && e.tag == tag)
+                .and_then(|e| e.framework.as_deref()?.downcast_ref::<F>().copied())
+        });
         if let Some(f) = hit {
             return Ok(f);
         }
@@ -176,7 +182,7 @@ pub fn framework(
     let (addr, tag) = key(ty);
     CACHE.with_borrow_mut(|c| {
         if let Some(e) = c.iter_mut().find(|e| e.addr == addr && e.tag == tag) {
-            e.framework = Some(found);
+            e.framework = Some(Box::new(found));
         }
     });
     Ok(found)
