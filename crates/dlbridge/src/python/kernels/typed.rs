@@ -61,7 +61,7 @@ use pyo3::prelude::*;
 
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
-use crate::python::view::TensorView;
+use crate::python::view::{TensorView, bump_version_in_aten, bump_version_in_python};
 use crate::spec::{AnyOrder, AnyShape, Compact, Cpu, DeviceSpec, OrderSpec, ShapeSpec, SpecOf};
 
 /// The requirement types, held without owning anything (`Send`/`Sync` follow the view alone).
@@ -307,42 +307,52 @@ fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec)
     unsafe { TensorView::borrow_checked(&obj, spec) }
 }
 
-/// Bumps a torch tensor's version counter (after `TorchState::refuse_write`), as torch's own
-/// in-place operations do, so autograd refuses a backward pass through a value a kernel overwrote
-/// ("modified by an inplace operation") instead of computing wrong gradients: through ATen's
-/// `bump_version` where verified (exactly `torch.Tensor`, [`crate::python::torch_bits`]; a tensor without
-/// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here), which runs
-/// Python: call it before taking a view that is used afterwards.
-pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
-    if bump_version_in_aten(obj) { Ok(()) } else { bump_version_in_python(obj) }
-}
-
-/// The version bump through ATen, running no Python: whether it was decided here (bumped, or no
-/// counter to bump). Never starts the one-time search of ATen's functions (which runs Python):
-/// the write rules read before it did.
-#[inline]
-fn bump_version_in_aten(obj: &Bound<'_, PyAny>) -> bool {
-    matches!(
-        crate::python::torch_bits::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
-        Some(crate::python::torch_bits::Bump::Done | crate::python::torch_bits::Bump::NoCounter)
-    )
-}
-
-/// The version bump through `torch._C._increment_version`: Python, which may replace the storage.
-#[cold]
-fn bump_version_in_python(obj: &Bound<'_, PyAny>) -> PyResult<()> {
-    let py = obj.py();
-    static BUMP: pyo3::sync::PyOnceLock<Option<Py<PyAny>>> = pyo3::sync::PyOnceLock::new();
-    let bump = BUMP.get_or_init(py, || {
-        py.import("torch")
-            .and_then(|t| t.getattr("_C")?.getattr("_increment_version"))
-            .ok()
-            .map(Bound::unbind)
-    });
-    if let Some(f) = bump {
-        f.bind(py).call1((pyo3::types::PyTuple::new(py, [obj.as_any()])?,))?;
+/// The typed forms of a view (see [`TensorRef`] and [`TensorMut`]); the view itself is in
+/// `view.rs`, which knows nothing of them.
+impl<'a> TensorView<'a> {
+    /// This view with its requirements stated as types, checked once ([`crate::spec`]): a
+    /// [`crate::python::TensorRef`], or [`crate::Error::Mismatch`] (a `TypeError` in Python) naming the
+    /// first field that failed. For kernels that dispatch on the dtype at run time:
+    ///
+    /// ```no_run
+    /// use dlbridge::python::TensorView;
+    /// use dlbridge::spec::{C, Cpu, Rank};
+    /// use dlbridge::DataType;
+    /// use pyo3::prelude::*;
+    /// #[pyfunction]
+    /// fn total(x: TensorView<'_>) -> PyResult<f64> {
+    ///     Ok(match x.dtype() {
+    ///         DataType::FLOAT32 => x.typed::<f32, Rank<1>, C, Cpu>()?.as_slice()?.iter().map(|&v| v as f64).sum(),
+    ///         _ => x.typed::<f64, Rank<1>, C, Cpu>()?.as_slice()?.iter().sum(),
+    ///     })
+    /// }
+    /// ```
+    pub fn typed<
+        T: crate::Element,
+        S: crate::spec::ShapeSpec,
+        O: crate::spec::OrderSpec,
+        D: crate::spec::DeviceSpec,
+    >(
+        self,
+    ) -> crate::Result<TensorRef<'a, T, S, O, D>> {
+        TensorRef::new(self)
     }
-    Ok(())
+
+    /// [`TensorView::typed`] for writing: the tensor must also be writable (not read-only, no
+    /// overlapping elements).
+    pub fn typed_mut<
+        T: crate::Element,
+        S: crate::spec::ShapeSpec,
+        O: crate::spec::OrderSpec,
+        D: crate::spec::DeviceSpec,
+    >(
+        self,
+    ) -> crate::Result<TensorMut<'a, T, S, O, D>> {
+        // The stated requirements first: a mismatch bumps nothing.
+        self.check(&TensorMut::<'a, T, S, O, D>::SPEC)?;
+        self.prepare_producer_write()?;
+        TensorMut::new(self)
+    }
 }
 
 /// Device requirements under which the memory is host-accessible (typed slices and views).
