@@ -39,8 +39,8 @@ use pyo3::types::PyType;
 use crate::device::Device;
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
-use crate::python::exchange::ExchangeApi;
-use crate::python::types::Tensor;
+use crate::python::import::ExchangeApi;
+use crate::python::runtime::Tensor;
 
 /// A framework that results can be returned as (see the module docs): found from an input
 /// ([`Framework::of`]) or named ([`Framework::numpy`], [`Framework::torch`],
@@ -85,7 +85,7 @@ impl Framework {
 
     /// The framework of instances of `ty`.
     pub fn of_type(ty: &Bound<'_, PyType>) -> PyResult<Self> {
-        crate::python::cache::framework(ty, find)
+        crate::python::import::framework(ty, find)
     }
 
     /// `dlbridge.Tensor` (this module's class).
@@ -125,7 +125,7 @@ impl Framework {
         match self.kind {
             Kind::Dlbridge => Ok(Bound::new(py, Tensor::new(t))?.into_any()),
             Kind::Table(api) => api.to_py_object(py, t),
-            Kind::Numpy => match crate::python::numpy::adopt(py, t) {
+            Kind::Numpy => match crate::python::import::adopt(py, t) {
                 Ok(made) => made,
                 Err(t) => numpy_from_dlpack(py, t),
             },
@@ -268,11 +268,11 @@ impl Importer {
 /// Finds the framework of `ty` (a cache miss).
 fn find(ty: &Bound<'_, PyType>) -> PyResult<Framework> {
     let py = ty.py();
-    let info = crate::python::cache::type_info(ty)?;
+    let info = crate::python::import::type_info(ty)?;
     if let Some(api) = info.exchange {
         return Ok(Framework { kind: Kind::Table(api) });
     }
-    if info.numpy && crate::python::numpy::can_adopt(py) {
+    if info.numpy && crate::python::import::can_adopt(py) {
         return Ok(Framework { kind: Kind::Numpy });
     }
     let module: String = ty.getattr(pyo3::intern!(py, "__module__"))?.extract().unwrap_or_default();

@@ -1,4 +1,8 @@
-//! From Rust tensors back to Python.
+//! From Rust tensors back to Python: `dlbridge.Tensor`'s methods, the producer side of DLPack
+//! (`tensor.rs`), and results in the caller's framework (`framework.rs`). Knows the runtime,
+//! import (the per-type cache, exchange tables, numpy's C API) and processes (pickling).
 
-pub(in crate::python) mod framework;
-pub(in crate::python) mod tensor;
+mod framework;
+mod tensor;
+
+pub use framework::{Framework, Output};

@@ -16,9 +16,9 @@ use pyo3::types::{PyBool, PyDict, PyTuple};
 use crate::device::{Device, DeviceType};
 use crate::dtype::DataType;
 use crate::flags::Flags;
-use crate::python::capsule::{legacy_capsule, versioned_capsule};
-use crate::python::fastcall::{self, StaticDef};
-use crate::python::types::{PyDType, PyDevice, Tensor, dlpack_device_tuple};
+use crate::python::runtime::fastcall::{self, StaticDef};
+use crate::python::runtime::{PyDType, PyDevice, Tensor, dlpack_device_tuple};
+use crate::python::runtime::{legacy_capsule, versioned_capsule};
 
 /// The Python buffer-protocol format of a dtype, where it has one.
 fn buffer_format(t: DataType) -> Option<&'static CStr> {
@@ -102,7 +102,7 @@ unsafe extern "C" fn dlpack_fastcall(
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls a method with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    crate::python::release::drain_queued(py);
+    crate::python::runtime::drain_queued(py);
     fastcall::run(py, || {
         let names = [
             pyo3::intern!(py, "stream"),
@@ -238,7 +238,7 @@ impl Tensor {
     /// take dlbridge tensors without calling into Python.
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(crate::python::exchange::tensor_exchange_capsule(py)?.unbind())
+        Ok(crate::python::import::tensor_exchange_capsule(py)?.unbind())
     }
 
     /// Exports a DLPack capsule, per the array API standard: a versioned (1.3) capsule when
@@ -258,7 +258,7 @@ impl Tensor {
     /// `python/shared.rs`.
     #[cfg(target_os = "linux")]
     fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
-        crate::python::shared::reduce_ex(slf, protocol)
+        crate::python::processes::reduce_ex(slf, protocol)
     }
 
     /// `copy.deepcopy`: new memory (a shared tensor's copy is a new shared tensor; a tensor in
@@ -266,7 +266,7 @@ impl Tensor {
     #[cfg(target_os = "linux")]
     fn __deepcopy__<'py>(slf: &Bound<'py, Self>, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let _ = memo; // nothing inside a Tensor is a Python object to memoise
-        crate::python::shared::deepcopy(slf)
+        crate::python::processes::deepcopy(slf)
     }
 
     /// `(DeviceType, id)`.

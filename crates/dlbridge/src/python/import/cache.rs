@@ -18,7 +18,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-use crate::python::exchange::ExchangeApi;
+use super::exchange::ExchangeApi;
 
 /// What a type speaks.
 #[derive(Clone, Copy)]
@@ -32,7 +32,7 @@ pub struct TypeInfo {
     /// Whether its `__dlpack__` was seen to reject the 2023 keywords (a legacy producer).
     pub legacy: bool,
     /// torch's state accessors, if the type has them (checked on every path, the protocol too).
-    pub torch: Option<&'static crate::python::exchange::TorchState>,
+    pub torch: Option<&'static super::exchange::TorchState>,
 }
 
 const CAPACITY: usize = 32;
@@ -102,13 +102,13 @@ fn type_info_miss(ty: &Bound<'_, PyType>) -> PyResult<TypeInfo> {
             }
             _ => None,
         },
-        numpy: match (&dlpack, crate::python::numpy::ndarray_type(ty)) {
+        numpy: match (&dlpack, super::numpy::ndarray_type(ty)) {
             (Some(d), Some(nd)) => nd.getattr_opt(intern!(py, "__dlpack__"))?.is_some_and(|own| own.is(d)),
             _ => false,
         },
         dlpack: dlpack.is_some(),
         legacy: false,
-        torch: crate::python::exchange::TorchState::of(ty),
+        torch: super::exchange::TorchState::of(ty),
     };
     // The lookups above assign a version tag if the type had none yet.
     let (addr, tag) = key(ty);

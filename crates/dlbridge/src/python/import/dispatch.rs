@@ -3,8 +3,8 @@
 //! calls back here.
 //!
 //! [`from_dlpack_with`], in order: a numpy array read through its struct ([`super::numpy`]), a
-//! `dlbridge.Tensor` (shared, no Python call), a bare capsule of either name
-//! ([`crate::python::capsule`]), the type's C exchange table ([`super::exchange`]), then the
+//! `dlbridge.Tensor` (shared, no Python call), a bare capsule of either name ([`consume`], in the
+//! runtime's `capsule.rs`), the type's C exchange table ([`super::exchange`]), then the
 //! `__dlpack__` method ([`super::dlpack`]). [`asdlpack_with`] takes every DLPack producer that way,
 //! then the buffer protocol, `__array_interface__` and `__cuda_array_interface__`
 //! ([`super::protocols`]).
@@ -22,13 +22,13 @@ use super::protocols::{
 use crate::device::Device;
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
-use crate::python::capsule::{consume, is_capsule};
-use crate::python::types::Tensor;
+use crate::python::runtime::Tensor;
+use crate::python::runtime::{consume, is_capsule};
 
 /// Imports any DLPack producer (or bare capsule) with the given options.
 pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<ManagedTensor> {
     let py = obj.py();
-    crate::python::release::enter(py);
+    crate::python::runtime::enter(py);
     let plain =
         opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
     if plain {
@@ -94,7 +94,7 @@ pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult
         return plain(from_dlpack_with(obj, &ImportOptions::default())?);
     }
     // The DLPack producers above entered through from_dlpack_with; the other protocols here.
-    crate::python::release::enter(py);
+    crate::python::runtime::enter(py);
     // SAFETY: a type-slot check on a live object.
     if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
         return plain(from_buffer(obj)?);

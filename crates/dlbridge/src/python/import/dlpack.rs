@@ -10,11 +10,11 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
+use super::cache::{self, TypeInfo};
 use crate::device::{Device, DeviceType};
 use crate::managed::ManagedTensor;
-use crate::python::cache::{self, TypeInfo};
-use crate::python::capsule::consume;
-use crate::python::types::extract_device;
+use crate::python::runtime::consume;
+use crate::python::runtime::extract_device;
 
 /// How to import: the keyword arguments of `dlbridge.from_dlpack`.
 #[derive(Default, Clone)]
@@ -118,7 +118,7 @@ pub(super) fn from_method<'py>(
     // (a copy resolves it): refused here as on the table path.
     if let Some(state) = info.torch {
         if opts.copy != Some(true) {
-            crate::python::exchange::refuse_negative_bit(obj, state)?;
+            super::exchange::refuse_negative_bit(obj, state)?;
         }
     }
     // The standard: a consumer passes `stream` only for device memory (numpy refuses any other).

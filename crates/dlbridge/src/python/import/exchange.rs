@@ -27,7 +27,7 @@ use crate::ffi::{
     DLPackVersion, DLTensor,
 };
 use crate::managed::ManagedTensor;
-use crate::python::types::Tensor;
+use crate::python::runtime::Tensor;
 
 /// Name of the capsule holding an exchange table (DLPack 1.3).
 pub const EXCHANGE_API_CAPSULE: &CStr = c"dlpack_exchange_api";
@@ -241,12 +241,12 @@ impl TorchState {
     ///   bumped by `TensorMut`, makes a backward through an overwritten saved value fail in torch).
     ///   Inside inference mode autograd records nothing, and torch writes such a leaf there.
     ///
-    /// For exactly `torch.Tensor`, read through ATen and c10 ([`crate::python::torch_bits`]): two calls of
+    /// For exactly `torch.Tensor`, read through ATen and c10 ([`super::torch_bits`]): two calls of
     /// a few instructions, and one getter when grad mode is on and the tensor does not require
     /// grad; else through torch's Python methods.
     pub(crate) fn refuse_write(&self, obj: &Bound<'_, PyAny>) -> crate::Result<()> {
         let py = obj.py();
-        let bits = crate::python::torch_bits::aten_bits(py);
+        let bits = super::torch_bits::aten_bits(py);
         let without_counter = match bits.and_then(|b| b.write_refused_without_counter(obj)) {
             Some(refused) => Ok(refused),
             None => write_refused_without_counter(obj),
@@ -316,10 +316,10 @@ impl TorchState {
     }
 
     /// The negative bit: through ATen's native kernel for exactly `torch.Tensor` (no GIL round trip,
-    /// see [`crate::python::torch_bits`]), else the method.
+    /// see [`super::torch_bits`]), else the method.
     #[inline]
     fn is_neg(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-        if let Some(bit) = crate::python::torch_bits::aten_bits(obj.py()).and_then(|b| b.is_neg(obj)) {
+        if let Some(bit) = super::torch_bits::aten_bits(obj.py()).and_then(|b| b.is_neg(obj)) {
             return Ok(bit);
         }
         Self::call(self.is_neg.as_ref(), obj, intern!(obj.py(), "is_neg"))
@@ -327,7 +327,7 @@ impl TorchState {
 
     /// The conjugate bit, as [`TorchState::is_neg`] reads the negative one.
     fn is_conj(&self, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-        if let Some(bit) = crate::python::torch_bits::aten_bits(obj.py()).and_then(|b| b.is_conj(obj)) {
+        if let Some(bit) = super::torch_bits::aten_bits(obj.py()).and_then(|b| b.is_conj(obj)) {
             return Ok(bit);
         }
         Self::call(self.is_conj.as_ref(), obj, intern!(obj.py(), "is_conj"))
@@ -479,7 +479,7 @@ impl ExchangeApi {
             None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
         };
         // The producer's deleter (torch's takes the GIL) never runs on a thread without the GIL.
-        let mt = crate::python::release::gate_deleter(mt);
+        let mt = crate::python::runtime::gate_deleter(mt);
         refuse_lazy_views(obj, Some(mt.dtype()), self.torch_state)?;
         Ok(Ok(mt))
     }
@@ -670,7 +670,7 @@ impl ExchangeApi {
             });
         }
         // SAFETY: an owning pointer handed to us; validation deletes it on refusal.
-        let t = crate::python::release::gate_deleter(unsafe { ManagedTensor::from_raw_versioned(out) }?);
+        let t = crate::python::runtime::gate_deleter(unsafe { ManagedTensor::from_raw_versioned(out) }?);
         let asked = t.dtype() == dtype && t.shape() == shape && t.device() == device && t.is_c_contiguous();
         if !asked || t.is_read_only() {
             return Err(PyBufferError::new_err(format!(
@@ -858,7 +858,7 @@ unsafe extern "C" fn allocator(
 /// The GIL is held and `obj` is a live object.
 unsafe fn tensor_of<'py>(py: Python<'py>, obj: *mut c_void) -> Option<Bound<'py, Tensor>> {
     if obj.is_null() {
-        crate::python::fastcall::raise(PyBufferError::new_err("exchange API: py_object is NULL"));
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err("exchange API: py_object is NULL"));
         return None;
     }
     // SAFETY: the caller's promise: a live object, borrowed.
@@ -866,7 +866,7 @@ unsafe fn tensor_of<'py>(py: Python<'py>, obj: *mut c_void) -> Option<Bound<'py,
     match any.cast_into::<Tensor>() {
         Ok(t) => Some(t),
         Err(e) => {
-            crate::python::fastcall::raise(PyErr::from(e));
+            crate::python::runtime::fastcall::raise(PyErr::from(e));
             None
         }
     }
@@ -881,11 +881,11 @@ unsafe extern "C" fn from_py_object_no_sync(
     // SAFETY: as above.
     let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
     if out.is_null() {
-        crate::python::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
     if let Some(e) = t.get().unsynchronised_export_refusal() {
-        crate::python::fastcall::raise(e);
+        crate::python::runtime::fastcall::raise(e);
         return -1;
     }
     let p = t.get().shared().export_versioned();
@@ -903,9 +903,9 @@ unsafe extern "C" fn to_py_object_no_sync(
     // SAFETY: the consumer hands over (steals into) an owning pointer; validation deletes it on refusal.
     let t = match unsafe { ManagedTensor::from_raw_versioned(tensor) } {
         // Whoever produced it, its deleter may take the GIL.
-        Ok(t) => crate::python::release::gate_deleter(t),
+        Ok(t) => crate::python::runtime::gate_deleter(t),
         Err(e) => {
-            crate::python::fastcall::raise(PyErr::from(e));
+            crate::python::runtime::fastcall::raise(PyErr::from(e));
             return -1;
         }
     };
@@ -916,11 +916,13 @@ unsafe extern "C" fn to_py_object_no_sync(
             0
         }
         Ok(_) => {
-            crate::python::fastcall::raise(PyBufferError::new_err("exchange API: out_py_object is NULL"));
+            crate::python::runtime::fastcall::raise(PyBufferError::new_err(
+                "exchange API: out_py_object is NULL",
+            ));
             -1
         }
         Err(e) => {
-            crate::python::fastcall::raise(e);
+            crate::python::runtime::fastcall::raise(e);
             -1
         }
     }
@@ -932,11 +934,11 @@ unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out
     // SAFETY: as above.
     let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
     if out.is_null() {
-        crate::python::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
     if let Some(e) = t.get().unsynchronised_export_refusal() {
-        crate::python::fastcall::raise(e);
+        crate::python::runtime::fastcall::raise(e);
         return -1;
     }
     let inner: &Arc<ManagedTensor> = t.get().shared();
@@ -950,7 +952,7 @@ unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out
         None
     };
     if let Some(what) = flagged {
-        crate::python::fastcall::raise(PyBufferError::new_err(format!(
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err(format!(
             "dltensor_from_py_object_no_sync: the tensor is {what}, which a borrowed DLTensor \
              cannot say; use managed_tensor_from_py_object_no_sync"
         )));
@@ -1004,7 +1006,7 @@ pub fn tensor_exchange_capsule(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
 }
 
 /// Whether `obj` has no version counter while inference mode is off (torch's refusal of an
-/// in-place write), asked through torch's Python attributes (for what [`crate::python::torch_bits`] does
+/// in-place write), asked through torch's Python attributes (for what [`super::torch_bits`] does
 /// not read: a subclass, or a torch whose functions were not verified): `_version` raises
 /// `RuntimeError` exactly when there is no counter.
 fn write_refused_without_counter(obj: &Bound<'_, PyAny>) -> PyResult<bool> {

@@ -128,12 +128,12 @@ unsafe fn read<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
 fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> Option<bool> {
     // SAFETY: only called for an object whose type is named numpy.ndarray.
     let p = unsafe { read(obj) }?;
-    let held = match crate::python::release::HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO) {
+    let held = match crate::python::runtime::HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO) {
         Ok(h) => h,
         Err(_) => return None,
     };
     let mut dims = crate::dims::Dims::new();
-    let Ok(m) = crate::python::protocols::read_view(held.view(), &mut dims) else { return None };
+    let Ok(m) = super::protocols::read_view(held.view(), &mut dims) else { return None };
     let mut from_struct = crate::dims::Dims::new();
     let same = held.view().buf == p.data
         && fill_dims(&p, &mut from_struct)
@@ -340,7 +340,7 @@ pub fn can_adopt(py: Python<'_>) -> bool {
 }
 
 /// A `numpy.ndarray` over `t`'s memory, made through numpy's C API without a copy: the array's
-/// `base` is a private capsule ([`crate::python::capsule::OWNER`]) that owns `t`, so the producer's
+/// `base` is a private capsule (`capsule.rs`'s `OWNER`) that owns `t`, so the producer's
 /// deleter runs when numpy frees the array and no DLPack consumer can take the tensor out from
 /// under it. `Err(t)` when numpy cannot hold it this way (not plain CPU memory, a
 /// dtype numpy has no number for, the C API unavailable): take `numpy.from_dlpack` instead.
@@ -381,7 +381,7 @@ pub fn adopt<'py>(
     let strides_ptr = if own { std::ptr::null() } else { strides.as_ptr() };
     let (nd, data) = (t.ndim() as c_int, t.data_ptr());
     let flags = if t.is_read_only() { 0 } else { NPY_ARRAY_WRITEABLE };
-    let base = match crate::python::capsule::owner_capsule(py, t) {
+    let base = match crate::python::runtime::owner_capsule(py, t) {
         Ok(b) => b,
         Err(e) => return Ok(Err(e)),
     };
@@ -436,7 +436,7 @@ pub(super) fn from_numpy(obj: &Bound<'_, PyAny>, p: NumpyParts<'_>) -> PyResult<
             Some(dims.strides()),
             0,
             flags,
-            crate::python::release::PyOwner::new(obj),
+            crate::python::runtime::PyOwner::new(obj),
         )
     }?;
     Ok(Some(t))

@@ -17,7 +17,7 @@ use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::interface;
 use crate::managed::ManagedTensor;
-use crate::python::release::{HeldBuffer, PyOwner};
+use crate::python::runtime::{HeldBuffer, PyOwner};
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().fully_qualified_name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())

@@ -1,5 +1,10 @@
-//! The kernel author's kit.
+//! The kernel author's kit: borrowed views (`view.rs`), typed arguments (`typed.rs`), and one kernel
+//! in every mode (`kernel.rs`). Knows the runtime, import and export.
 
-pub(in crate::python) mod kernel;
-pub(in crate::python) mod typed;
-pub(in crate::python) mod view;
+mod kernel;
+mod typed;
+mod view;
+
+pub use kernel::{KernelDef, add_kernel, xla_capsule};
+pub use typed::{HostSpec, TensorMut, TensorRef};
+pub use view::TensorView;

@@ -59,9 +59,9 @@ use std::marker::PhantomData;
 
 use pyo3::prelude::*;
 
+use super::view::{TensorView, bump_version_in_aten, bump_version_in_python};
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
-use crate::python::view::{TensorView, bump_version_in_aten, bump_version_in_python};
 use crate::spec::{AnyOrder, AnyShape, Compact, Cpu, DeviceSpec, OrderSpec, ShapeSpec, SpecOf};
 
 /// The requirement types, held without owning anything (`Send`/`Sync` follow the view alone).
@@ -291,7 +291,7 @@ fn extract_checked<'a>(
 /// bumps nothing, and is dropped: the Python of the bump could free what it describes).
 #[inline(never)]
 fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec) -> PyResult<TensorView<'a>> {
-    let torch = crate::python::cache::type_info(&obj.get_type())?.torch;
+    let torch = crate::python::import::type_info(&obj.get_type())?.torch;
     if let Some(state) = torch {
         // What torch refuses of an in-place write is refused here, at conversion (the argument named).
         state.refuse_write(&obj)?;

@@ -18,10 +18,9 @@ use crate::dims::Dims;
 use crate::ffi::DLTensor;
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
-use crate::python::cache;
 use crate::python::import::{ImportOptions, from_dlpack_with};
-use crate::python::release::HeldBuffer;
-use crate::python::types::Tensor;
+use crate::python::runtime::HeldBuffer;
+use crate::python::runtime::Tensor;
 use crate::spec::Spec;
 
 /// Where a borrowed `DLTensor` and the dims it points into live while the view exists: one heap
@@ -34,11 +33,11 @@ struct Borrow {
     /// torch's state accessors when the view came through torch's exchange table: its rule on
     /// in-place writes is checked when mutable access is asked for. (Here rather than in the
     /// view, which every numpy argument builds and returns: one field fewer to move.)
-    torch: Option<&'static crate::python::exchange::TorchState>,
+    torch: Option<&'static crate::python::import::TorchState>,
     /// The hold on a torch tensor's memory (see `torch_bits::Keep`): whatever Python code the
     /// kernel runs (`x.set_()`, `x.resize_()`, `x.share_memory_()`), the memory stays valid while
     /// the view lives.
-    kept: Option<crate::python::torch_bits::Kept>,
+    kept: Option<crate::python::import::Kept>,
 }
 
 thread_local! {
@@ -111,7 +110,7 @@ impl TensorView<'_> {
             reason: format!("could not be bumped: {e}"),
         })?;
         let moved = |reason: &str| crate::Error::WriteRefused { field: "data", reason: reason.into() };
-        let api = crate::python::cache::type_info(&obj.get_type())
+        let api = crate::python::import::type_info(&obj.get_type())
             .ok()
             .and_then(|info| info.exchange)
             .ok_or_else(|| moved("the tensor's type lost its exchange table"))?;
@@ -147,11 +146,11 @@ impl TensorView<'_> {
     /// The torch state of a torch tensor's view, with the GIL this thread must hold to use it.
     fn torch_attached(
         &self,
-    ) -> crate::Result<Option<(&'static crate::python::exchange::TorchState, Python<'_>)>> {
+    ) -> crate::Result<Option<(&'static crate::python::import::TorchState, Python<'_>)>> {
         // SAFETY: the block is owned by this view and alive until it drops.
         let torch = self.borrow.and_then(|b| unsafe { b.as_ref() }.torch);
         let Some(state) = torch else { return Ok(None) };
-        if !crate::python::release::attached_here() {
+        if !crate::python::runtime::attached_here() {
             return Err(crate::Error::WriteRefused {
                 field: "requires_grad",
                 reason: "mutable access to a torch tensor needs this thread to hold the GIL (it reads \
@@ -229,14 +228,14 @@ impl<'a> TensorView<'a> {
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
     pub(crate) unsafe fn borrow_checked(obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Self> {
-        crate::python::release::enter(obj.py());
+        crate::python::runtime::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
         // SAFETY: a live object's address is never NULL.
         let source = unsafe { NonNull::new_unchecked(obj.as_ptr()) };
         // (No `Option<PyResult<Self>>` in between either: the view is written in place.)
-        if let Some(p) = crate::python::numpy::parts_exact(obj) {
+        if let Some(p) = crate::python::import::parts_exact(obj) {
             let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
             if let Some(block) = Self::numpy_block(p) {
                 return Self::from_borrow(block, flags, source, spec);
@@ -323,9 +322,9 @@ impl<'a> TensorView<'a> {
 
     /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
     /// item size (then DLPack describes the array, or refuses it, instead).
-    fn numpy_block(p: crate::python::numpy::NumpyParts<'_>) -> Option<Box<Borrow>> {
+    fn numpy_block(p: crate::python::import::NumpyParts<'_>) -> Option<Box<Borrow>> {
         let mut b = blank();
-        if !crate::python::numpy::fill_dims(&p, &mut b.dims) {
+        if !crate::python::import::fill_dims(&p, &mut b.dims) {
             recycle(b);
             return None;
         }
@@ -345,7 +344,7 @@ impl<'a> TensorView<'a> {
     /// A numpy array as a view: the common case without a `Result` in between.
     #[inline(always)]
     fn from_numpy(
-        p: crate::python::numpy::NumpyParts<'_>,
+        p: crate::python::import::NumpyParts<'_>,
         source: NonNull<ffi::PyObject>,
         spec: &Spec,
     ) -> Option<PyResult<Self>> {
@@ -363,9 +362,9 @@ impl<'a> TensorView<'a> {
             b.dims.set(inner.shape(), inner.strides());
             return Self::from_borrow(b, inner.flags(), source, spec);
         }
-        let info = cache::type_info(&obj.get_type())?;
+        let info = crate::python::import::type_info(&obj.get_type())?;
         if info.numpy {
-            if let Some(v) = crate::python::numpy::parts(obj).and_then(|p| Self::from_numpy(p, source, spec))
+            if let Some(v) = crate::python::import::parts(obj).and_then(|p| Self::from_numpy(p, source, spec))
             {
                 return v;
             }
@@ -391,7 +390,7 @@ impl<'a> TensorView<'a> {
                     if b.torch.is_some() {
                         // No Python has run since the table's description: the storage kept is the
                         // one it describes.
-                        match crate::python::torch_bits::aten_bits_found(obj.py())
+                        match crate::python::import::aten_bits_found(obj.py())
                             .and_then(|a| a.keep_memory(obj))
                         {
                             Some(Ok(kept)) => b.kept = kept,
@@ -424,11 +423,11 @@ impl<'a> TensorView<'a> {
                 Err(e) => return Err(e),
             }
         } else if !info.dlpack
-            && !crate::python::capsule::is_capsule(obj)
+            && !crate::python::runtime::is_capsule(obj)
             && !obj.hasattr(pyo3::intern!(obj.py(), "__dlpack__"))?
         {
             // What an argument takes, worded as every path words it (no function named).
-            return Err(crate::python::protocols::not_an_array(obj, "__dlpack__ or the buffer protocol"));
+            return Err(crate::python::import::not_an_array(obj, "__dlpack__ or the buffer protocol"));
         }
         Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source).checked(spec)
     }
@@ -436,7 +435,7 @@ impl<'a> TensorView<'a> {
     fn from_buffer(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>, spec: &Spec) -> PyResult<Self> {
         let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
         let mut b = blank();
-        let m = match crate::python::protocols::read_view(held.view(), &mut b.dims) {
+        let m = match crate::python::import::read_view(held.view(), &mut b.dims) {
             Ok(m) => m,
             Err(e) => {
                 recycle(b);
@@ -474,7 +473,7 @@ impl Drop for TensorView<'_> {
 /// where nothing else holds it (`source`: the viewed object, alive).
 fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
     let Some(kept) = b.kept.take() else { return };
-    if !crate::python::release::attached_here() {
+    if !crate::python::runtime::attached_here() {
         // (A view is dropped where it was made, with the GIL; without it the hold is kept: the
         // last holder may run a deleter that takes the GIL.)
         return drop(kept);
@@ -484,7 +483,7 @@ fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
         let py = Python::assume_attached();
         (py, Borrowed::from_ptr(py, source.as_ptr()))
     };
-    match crate::python::torch_bits::aten_bits_found(py) {
+    match crate::python::import::aten_bits_found(py) {
         Some(bits) => bits.release_memory(&obj, kept),
         None => drop(kept),
     }
@@ -535,7 +534,7 @@ fn blank() -> Box<Borrow> {
 /// Bumps a torch tensor's version counter (after `TorchState::refuse_write`), as torch's own
 /// in-place operations do, so autograd refuses a backward pass through a value a kernel overwrote
 /// ("modified by an inplace operation") instead of computing wrong gradients: through ATen's
-/// `bump_version` where verified (exactly `torch.Tensor`, [`crate::python::torch_bits`]; a tensor without
+/// `bump_version` where verified (exactly `torch.Tensor`, import's `torch_bits.rs`; a tensor without
 /// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here), which runs
 /// Python: call it before taking a view that is used afterwards.
 pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -548,8 +547,8 @@ pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
 #[inline]
 pub(super) fn bump_version_in_aten(obj: &Bound<'_, PyAny>) -> bool {
     matches!(
-        crate::python::torch_bits::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
-        Some(crate::python::torch_bits::Bump::Done | crate::python::torch_bits::Bump::NoCounter)
+        crate::python::import::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
+        Some(crate::python::import::Bump::Done | crate::python::import::Bump::NoCounter)
     )
 }
 

@@ -192,7 +192,7 @@ pub fn consume(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<Ma
             unsafe { ManagedTensor::from_raw_legacy(p.cast::<DLManagedTensor>()) }
         };
         // The producer's deleter may take the GIL: never run on a thread without it.
-        return Ok(crate::python::release::gate_deleter(t?));
+        return Ok(super::release::gate_deleter(t?));
     }
     let name = capsule_name(obj);
     if name.starts_with("used_") {

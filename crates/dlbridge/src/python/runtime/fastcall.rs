@@ -142,7 +142,7 @@ pub(crate) unsafe fn parse<'a, 'py, const P: usize, const N: usize>(
 /// error is restored directly: correct, at worst a few objects left in PyO3's pool.
 pub(crate) fn raise(e: PyErr) {
     let mut e = Some(e);
-    if crate::python::release::attached_here() {
+    if super::release::attached_here() {
         let _ = Python::try_attach(|py| {
             if let Some(e) = e.take() {
                 e.restore(py);
