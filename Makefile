@@ -57,7 +57,9 @@ $(DEMO_STAMP): $(STAMP) $(DEMO_SOURCES)
 develop: $(DEMO_STAMP) ## build dlbridge and every example extension into .venv (editable)
 	@cd examples/bridges && $(call QUIET_MATURIN)
 
-lint: $(STAMP) ## cargo fmt --check and clippy -D warnings
+lint: $(STAMP) ## cargo fmt --check, clippy -D warnings, no circles between the crate's modules
+	$(PYTHON) scripts/module_cycles.py --self-test
+	$(PYTHON) scripts/module_cycles.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 
