@@ -39,33 +39,8 @@ use pyo3::types::PyType;
 use crate::device::Device;
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
-use crate::python::import::ExchangeApi;
+use crate::python::import::{Framework, Importer, Kind};
 use crate::python::runtime::Tensor;
-
-/// A framework that results can be returned as (see the module docs): found from an input
-/// ([`Framework::of`]) or named ([`Framework::numpy`], [`Framework::torch`],
-/// [`Framework::dlbridge`]). Cheap to copy.
-#[derive(Clone, Copy)]
-pub struct Framework {
-    kind: Kind,
-}
-
-#[derive(Clone, Copy)]
-enum Kind {
-    Dlbridge,
-    Numpy,
-    Table(ExchangeApi),
-    Function(&'static Importer),
-}
-
-/// A framework's own `from_dlpack`, found once per type.
-struct Importer {
-    func: Py<PyAny>,
-    /// Whether it takes a DLPack capsule rather than an object with `__dlpack__` (tensorflow).
-    capsule: bool,
-    /// Where it was found (`"jax.dlpack.from_dlpack"`), for `repr` and errors.
-    name: String,
-}
 
 impl std::fmt::Debug for Framework {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

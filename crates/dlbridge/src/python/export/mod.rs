@@ -5,4 +5,5 @@
 mod framework;
 mod tensor;
 
-pub use framework::{Framework, Output};
+pub use crate::python::import::Framework;
+pub use framework::Output;

@@ -10,7 +10,6 @@
 //! sets the flag). The cache is thread-local: no lock on the hot path. A type without a valid tag
 //! (rare) is simply not cached.
 
-use std::any::Any;
 use std::cell::RefCell;
 
 use pyo3::ffi;
@@ -43,10 +42,8 @@ struct Entry {
     addr: usize,
     tag: u32,
     info: TypeInfo,
-    /// What results for callers of this type are returned as, once asked (a
-    /// [`crate::python::Framework`], which this cache holds without knowing it: the layer above
-    /// stores it here, see [`framework`]).
-    framework: Option<Box<dyn Any>>,
+    /// What results for callers of this type are returned as, once asked.
+    framework: Option<Framework>,
     _keep: Py<PyType>,
 }
 
@@ -159,20 +156,17 @@ pub fn mark_legacy(ty: &Bound<'_, PyType>) {
     });
 }
 
-/// The framework of `ty` (a [`crate::python::Framework`]; any `F` the caller always uses), found
-/// by `find` on the first call for the type and cached with the type's entry.
+/// The framework of `ty` (see `export/framework.rs`), found by `find` on the first call for the
+/// type and cached with the type's entry.
 #[inline]
-pub fn framework<F: Copy + 'static>(
+pub fn framework(
     ty: &Bound<'_, PyType>,
-    find: fn(&Bound<'_, PyType>) -> PyResult<F>,
-) -> PyResult<F> {
+    find: fn(&Bound<'_, PyType>) -> PyResult<Framework>,
+) -> PyResult<Framework> {
     let (addr, tag) = key(ty);
     if tag != 0 {
-        let hit = CACHE.with_borrow(|c| {
-            c.iter()
-                .find(|e| e.addr == addr && e.tag == tag)
-                .and_then(|e| e.framework.as_deref()?.downcast_ref::<F>().copied())
-        });
+        let hit = CACHE
+            .with_borrow(|c| c.iter().find(|e| e.addr == addr && e.tag == tag).and_then(|e| e.framework));
         if let Some(f) = hit {
             return Ok(f);
         }
@@ -182,8 +176,35 @@ pub fn framework<F: Copy + 'static>(
     let (addr, tag) = key(ty);
     CACHE.with_borrow_mut(|c| {
         if let Some(e) = c.iter_mut().find(|e| e.addr == addr && e.tag == tag) {
-            e.framework = Some(Box::new(found));
+            e.framework = Some(found);
         }
     });
     Ok(found)
+}
+
+/// A framework that results can be returned as (see `export/framework.rs`, which makes them and
+/// says how; the value is defined here because the per-type cache holds it): found from an input
+/// ([`Framework::of`]) or named ([`Framework::numpy`], [`Framework::torch`],
+/// [`Framework::dlbridge`]). Cheap to copy.
+#[derive(Clone, Copy)]
+pub struct Framework {
+    pub(in crate::python) kind: Kind,
+}
+
+/// How a [`Framework`] makes its results (see `export/framework.rs`).
+#[derive(Clone, Copy)]
+pub(in crate::python) enum Kind {
+    Dlbridge,
+    Numpy,
+    Table(ExchangeApi),
+    Function(&'static Importer),
+}
+
+/// A framework's own `from_dlpack`, found once per type.
+pub(in crate::python) struct Importer {
+    pub(in crate::python) func: Py<PyAny>,
+    /// Whether it takes a DLPack capsule rather than an object with `__dlpack__` (tensorflow).
+    pub(in crate::python) capsule: bool,
+    /// Where it was found (`"jax.dlpack.from_dlpack"`), for `repr` and errors.
+    pub(in crate::python) name: String,
 }

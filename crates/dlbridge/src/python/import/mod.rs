@@ -13,9 +13,10 @@ mod numpy;
 mod protocols;
 mod torch_bits;
 
+pub use cache::Framework;
 #[cfg(feature = "test-hooks")]
 pub(in crate::python) use cache::MISSES;
-pub(in crate::python) use cache::{framework, type_info};
+pub(in crate::python) use cache::{Importer, Kind, framework, type_info};
 pub use dispatch::{asdlpack_with, from_dlpack_with};
 pub use dlpack::ImportOptions;
 pub(in crate::python) use dlpack::options;

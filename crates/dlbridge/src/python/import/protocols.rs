@@ -122,6 +122,7 @@ pub(crate) fn read_view(v: &ffi::Py_buffer, dims: &mut Dims) -> Result<ViewMeta,
     Ok(ViewMeta { dtype, readonly: v.readonly != 0 })
 }
 
+#[inline]
 pub(super) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
     let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
     let mut dims = Dims::new();
