@@ -58,7 +58,9 @@ develop: $(DEMO_STAMP) ## build dlbridge and every example extension into .venv 
 	@cd examples/bridges && $(call QUIET_MATURIN)
 	@cd examples/torch_native && $(call QUIET_MATURIN)
 
-lint: $(STAMP) ## cargo fmt --check and clippy -D warnings
+lint: $(STAMP) ## cargo fmt --check, clippy -D warnings, no circles between the crate's modules
+	$(PYTHON) scripts/module_cycles.py --self-test
+	$(PYTHON) scripts/module_cycles.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --all-features -- -D warnings
 

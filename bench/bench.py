@@ -459,7 +459,7 @@ def write_report(out: Path, results, sweep, memory, counts, targets, missing, si
               "the capsule (the array struct read directly), and with the call floor (a function that only returns "
               "its argument's address). The torch view is compared with dlpark's view, which reads torch's borrowed "
               "DLTensor too but checks neither torch's negative nor its conjugate bit (dlbridge does, through ATen's "
-              "native kernels: see python/torch_bits.rs). The third column gives the floors measured in this run."]
+              "native kernels: see python/import/torch_bits.rs). The third column gives the floors measured in this run."]
     if missing:
         lines += ["", f"Not installed during this run (their rows and targets are absent): {', '.join(missing)}."]
     lines += ["", "## Per-call cost", "", "| case | median ns | [min..max] |", "|---|---:|---|"]

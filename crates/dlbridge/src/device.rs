@@ -10,9 +10,7 @@
 //! ```
 
 use std::fmt;
-use std::str::FromStr;
 
-use crate::error::Error;
 use crate::ffi::DLDevice;
 
 /// The DLPack device type: an open `i32` with a named constant for every device of DLPack 1.3 and
@@ -20,7 +18,7 @@ use crate::ffi::DLDevice;
 /// `DeviceType::TPU_HOST`, ...). Unknown values are representable.
 pub use crate::ffi::DLDeviceType as DeviceType;
 
-const NAMES: [(DeviceType, &str); 19] = [
+pub(crate) const NAMES: [(DeviceType, &str); 19] = [
     (DeviceType::CPU, "cpu"),
     (DeviceType::CUDA, "cuda"),
     (DeviceType::CUDA_HOST, "cuda_host"),
@@ -156,21 +154,6 @@ impl fmt::Display for Device {
 impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
-    }
-}
-
-impl FromStr for Device {
-    type Err = Error;
-
-    /// Parses `"cpu"`, `"cuda"` (ordinal 0), `"cuda:1"`, `"rocm_host"`, ...
-    fn from_str(s: &str) -> Result<Self, Error> {
-        let bad = || Error::UnknownDeviceName { name: s.to_owned() };
-        let (name, id) = match s.split_once(':') {
-            Some((name, id)) => (name, id.parse::<i32>().ok().filter(|i| *i >= 0).ok_or_else(bad)?),
-            None => (s, 0),
-        };
-        let (t, _) = NAMES.iter().find(|(_, n)| *n == name).ok_or_else(bad)?;
-        Ok(Self::new(*t, id))
     }
 }
 

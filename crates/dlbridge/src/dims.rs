@@ -90,6 +90,14 @@ impl Dims {
     }
 }
 
+/// Writes a slice like a Python tuple: `(3, 4)`, `(3,)`, `()`.
+pub(crate) fn tuple<T: std::fmt::Display>(items: &[T]) -> String {
+    match items {
+        [one] => format!("({one},)"),
+        _ => format!("({})", items.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,9 +14,7 @@
 //! ```
 
 use std::fmt;
-use std::str::FromStr;
 
-use crate::error::Error;
 use crate::ffi::DLDataType;
 
 /// The DLPack type code: an open `u8` with a named constant for every code of DLPack 1.3 and the
@@ -27,10 +25,10 @@ pub use crate::ffi::DLDataTypeCode as TypeCode;
 /// A DLPack element type: type code, bits per lane and lanes.
 #[repr(transparent)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DataType(DLDataType);
+pub struct DataType(pub(crate) DLDataType);
 
 /// The fixed-width names of the codes whose width is implied by the name.
-const FIXED_NAMES: [(TypeCode, u8, &str); 11] = [
+pub(crate) const FIXED_NAMES: [(TypeCode, u8, &str); 11] = [
     (TypeCode::FLOAT8_E3M4, 8, "float8_e3m4"),
     (TypeCode::FLOAT8_E4M3, 8, "float8_e4m3"),
     (TypeCode::FLOAT8_E4M3B11FNUZ, 8, "float8_e4m3b11fnuz"),
@@ -45,7 +43,7 @@ const FIXED_NAMES: [(TypeCode, u8, &str); 11] = [
 ];
 
 /// The codes whose name is a prefix followed by the bit width (`int8`, `complex64`).
-const WIDTH_NAMES: [(TypeCode, &str); 6] = [
+pub(crate) const WIDTH_NAMES: [(TypeCode, &str); 6] = [
     (TypeCode::UINT, "uint"),
     (TypeCode::INT, "int"),
     (TypeCode::BFLOAT, "bfloat"),
@@ -191,28 +189,6 @@ impl DataType {
         if b % 8 == 0 { Some((b / 8) as usize) } else { None }
     }
 
-    /// Whether `bits` is one this crate accepts for `code`, lanes is at least 1, and the code is
-    /// known. Float6 must be 6 bits, float4 4, bool and float8 8, bfloat16 16, bcomplex 32 (the
-    /// header defines `kDLBcomplex` as two bfloat16, so one width only).
-    ///
-    /// ```
-    /// use dlbridge::{DataType, TypeCode};
-    /// assert!(DataType::FLOAT32.validate().is_ok());
-    /// assert!(DataType::new(TypeCode::FLOAT6_E2M3FN, 8, 1).validate().is_err());
-    /// assert!(DataType::new(TypeCode(99), 8, 1).validate().is_err());
-    /// ```
-    pub fn validate(self) -> Result<(), Error> {
-        let DLDataType { code, bits, lanes } = self.0;
-        let Some(ok_bits) = allowed_bits(code) else { return Err(Error::UnknownTypeCode { code: code.0 }) };
-        if !ok_bits.contains(&bits) {
-            return Err(Error::InvalidBits { dtype: self, allowed: ok_bits });
-        }
-        if lanes == 0 {
-            return Err(Error::ZeroLanes { dtype: self });
-        }
-        Ok(())
-    }
-
     /// Whether [`DataType::validate`] would accept this dtype, without building an error (the
     /// validation fast path asks this on every import).
     #[inline]
@@ -237,7 +213,7 @@ impl DataType {
 /// The bit widths a type code allows, or `None` for an unknown code (the one table behind
 /// [`DataType::validate`] and, through [`VALID_BITS`], [`DataType::is_valid`]).
 #[inline]
-const fn allowed_bits(code: TypeCode) -> Option<&'static [u8]> {
+pub(crate) const fn allowed_bits(code: TypeCode) -> Option<&'static [u8]> {
     Some(match code {
         TypeCode::INT | TypeCode::UINT => &[1, 2, 4, 8, 16, 32, 64],
         TypeCode::FLOAT => &[16, 32, 64],
@@ -319,45 +295,6 @@ impl fmt::Debug for DataType {
     }
 }
 
-impl FromStr for DataType {
-    type Err = Error;
-
-    /// Parses the names [`Display`](fmt::Display) prints: `"float32"`, `"bool"`,
-    /// `"float8_e5m2"`, `"float32x4"`, `"float4_e2m1fn_x2"`. The result is validated.
-    fn from_str(s: &str) -> Result<Self, Error> {
-        let bad = || Error::UnknownDtypeName { name: s.to_owned() };
-        if s == "bool" {
-            return Ok(Self::BOOL);
-        }
-        if s == "float4_e2m1fn_x2" {
-            return Ok(Self::FLOAT4_E2M1FN_X2);
-        }
-        if let Some(&(code, bits, _)) = FIXED_NAMES.iter().find(|(_, _, n)| *n == s) {
-            return Ok(Self::new(code, bits, 1));
-        }
-        // `{base}x{lanes}` for vector types of a fixed-width name.
-        if let Some((base, lanes)) = s.rsplit_once('x') {
-            if let (Ok(base), Ok(lanes)) = (base.parse::<DataType>(), lanes.parse::<u16>()) {
-                if base.lanes() == 1 && lanes > 1 {
-                    let t = Self::new(base.code(), base.bits(), lanes);
-                    return t.validate().map(|()| t).map_err(|_| bad());
-                }
-            }
-        }
-        for (code, prefix) in WIDTH_NAMES {
-            if let Some(digits) = s.strip_prefix(prefix) {
-                if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-                    continue;
-                }
-                let bits: u8 = digits.parse().map_err(|_| bad())?;
-                let t = Self::new(code, bits, 1);
-                return t.validate().map(|()| t).map_err(|_| bad());
-            }
-        }
-        Err(bad())
-    }
-}
-
 /// A Rust scalar type with a DLPack dtype, so typed slices and arrays can be taken of tensors of
 /// that dtype and Rust buffers of it exported.
 ///
@@ -417,6 +354,7 @@ unsafe impl Element for bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
     #[test]
     fn is_valid_agrees_with_validate() {

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+pub(crate) use crate::dims::tuple;
 use crate::dtype::DataType;
 
 /// Everything dlbridge can refuse, each naming the offending field and value.
@@ -142,14 +143,6 @@ pub enum Error {
     /// A tensor that fails a kernel's stated requirements ([`crate::spec::Spec`]): which field
     /// failed first, and the whole expected-against-found, to `match` on.
     Mismatch(Box<crate::spec::Mismatch>),
-}
-
-/// Writes a slice like a Python tuple: `(3, 4)`, `(3,)`, `()`.
-pub(crate) fn tuple<T: fmt::Display>(items: &[T]) -> String {
-    match items {
-        [one] => format!("({one},)"),
-        _ => format!("({})", items.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ")),
-    }
 }
 
 impl fmt::Display for Error {

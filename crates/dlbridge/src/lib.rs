@@ -59,6 +59,7 @@ pub mod layout;
 pub mod managed;
 #[cfg(feature = "ndarray")]
 pub mod ndarray;
+mod parse;
 mod process_wide;
 #[cfg(feature = "python")]
 pub mod python;

@@ -16,6 +16,7 @@ use crate::error::{Error, Result, tuple};
 use crate::ffi::{DLManagedTensor, DLManagedTensorVersioned, DLTensor};
 use crate::flags::{Flags, Version};
 use crate::layout;
+use crate::spec::{Field, Mismatch, Spec, first_failure_of};
 
 /// The largest `ndim` a tensor may have (numpy's limit; DLPack itself sets none).
 pub const MAX_NDIM: usize = 64;
@@ -603,6 +604,109 @@ unsafe fn dims<'a>(p: *const i64, ndim: usize) -> &'a [i64] {
     } else {
         // SAFETY: the caller's promise.
         unsafe { std::slice::from_raw_parts(p, ndim) }
+    }
+}
+
+// What a kernel's stated requirements ([`crate::spec`]) ask of a tensor, and how a refusal reads.
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "expected {}, got ", self.expected)?;
+        write_found(
+            f,
+            (self.dtype, &self.shape, &self.strides, self.device),
+            self.read_only && self.expected.writable,
+            self.field == Field::Writable && !self.read_only,
+        )
+    }
+}
+
+/// What a refusal says it got: `read-only float32 (3, 4) strides (1, 3) on cpu` (the read-only
+/// mark where writing was asked; strides only where they are not the compact row-major ones). The
+/// one wording of every typed refusal: typed arguments, the untyped accessors, the bridges' views.
+fn write_found(
+    f: &mut fmt::Formatter<'_>,
+    (dtype, shape, strides, device): (DataType, &[i64], &[i64], Device),
+    read_only: bool,
+    overlap: bool,
+) -> fmt::Result {
+    if read_only {
+        f.write_str("read-only ")?;
+    }
+    write!(f, "{dtype} {}", tuple(shape))?;
+    if !crate::layout::is_c_contiguous(shape, strides) {
+        write!(f, " strides {}", tuple(strides))?;
+        if overlap {
+            f.write_str(" (elements overlap)")?;
+        }
+    }
+    write!(f, " on {device}")
+}
+
+impl ManagedTensor {
+    /// This tensor as a refusal words what it got ([`Mismatch`]'s words), the read-only mark
+    /// shown where `writing` was asked.
+    pub(crate) fn found(&self, writing: bool) -> String {
+        struct Found<'a>(&'a ManagedTensor, bool);
+        impl fmt::Display for Found<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let t = self.0;
+                write_found(
+                    f,
+                    (t.dtype(), t.shape(), t.strides(), t.device()),
+                    self.1 && t.is_read_only(),
+                    false,
+                )
+            }
+        }
+        Found(self, writing).to_string()
+    }
+}
+
+impl ManagedTensor {
+    /// Checks this tensor against `spec` in one pass: [`Error::Mismatch`] names the first field
+    /// that failed (dtype, rank, extents, device, order, writability, in that order).
+    #[inline]
+    pub fn check(&self, spec: &Spec) -> Result<()> {
+        match self.first_failure(spec) {
+            None => Ok(()),
+            Some(field) => Err(self.mismatch(spec, field)),
+        }
+    }
+
+    /// The first field of `spec` this tensor fails, if any (no allocation).
+    #[inline(always)]
+    pub(crate) fn first_failure(&self, spec: &Spec) -> Option<Field> {
+        first_failure_of(
+            spec,
+            self.dtype(),
+            self.shape(),
+            self.device(),
+            || self.is_c_contiguous(),
+            || self.is_f_contiguous(),
+            || self.is_writable(),
+        )
+    }
+
+    /// Whether typed mutable access may be given: not read-only, and no two elements may share
+    /// memory.
+    pub(crate) fn is_writable(&self) -> bool {
+        !self.is_read_only()
+            && (self.numel() <= 1 || !crate::layout::may_overlap(self.shape(), self.strides()))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn mismatch(&self, spec: &Spec, field: Field) -> Error {
+        Error::Mismatch(Box::new(Mismatch {
+            field,
+            expected: *spec,
+            dtype: self.dtype(),
+            shape: self.shape().to_vec(),
+            strides: self.strides().to_vec(),
+            device: self.device(),
+            read_only: self.is_read_only(),
+        }))
     }
 }
 

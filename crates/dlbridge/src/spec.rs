@@ -1,7 +1,10 @@
 //! What a kernel needs of a tensor, stated once: element type, rank or fixed extents, memory order,
-//! device, writability. A [`Spec`] is checked in one pass ([`ManagedTensor::check`]); a refusal is
-//! an [`Error::Mismatch`] that names the first field that failed and says expected against found,
-//! so Rust code can `match` on it and Python code gets a `TypeError`.
+//! device, writability. A [`Spec`] is checked in one pass
+//! ([`ManagedTensor::check`](crate::ManagedTensor::check), in `managed.rs` with the wording of its
+//! refusal); a refusal is an [`Error::Mismatch`](crate::Error::Mismatch) that names the first field
+//! that failed and says expected against found, so Rust code can `match` on it and Python code gets
+//! a `TypeError`. This file knows neither `Error` nor `ManagedTensor`: `error.rs` names
+//! [`Mismatch`], and `managed.rs` checks against a [`Spec`].
 //!
 //! Specs are usually written as types, so a `#[pyfunction]` argument states them
 //! (`TensorRef<'_, f32, Rank<2>, C>` in [`crate::python`]): shapes [`AnyShape`], [`Rank<N>`] or a
@@ -31,9 +34,8 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use crate::device::{Device, DeviceType};
+use crate::dims::tuple;
 use crate::dtype::{DataType, Element};
-use crate::error::{Error, Result, tuple};
-use crate::managed::ManagedTensor;
 
 /// A required memory order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -155,60 +157,6 @@ pub struct Mismatch {
     pub read_only: bool,
 }
 
-impl fmt::Display for Mismatch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "expected {}, got ", self.expected)?;
-        write_found(
-            f,
-            (self.dtype, &self.shape, &self.strides, self.device),
-            self.read_only && self.expected.writable,
-            self.field == Field::Writable && !self.read_only,
-        )
-    }
-}
-
-/// What a refusal says it got: `read-only float32 (3, 4) strides (1, 3) on cpu` (the read-only
-/// mark where writing was asked; strides only where they are not the compact row-major ones). The
-/// one wording of every typed refusal: typed arguments, the untyped accessors, the bridges' views.
-fn write_found(
-    f: &mut fmt::Formatter<'_>,
-    (dtype, shape, strides, device): (DataType, &[i64], &[i64], Device),
-    read_only: bool,
-    overlap: bool,
-) -> fmt::Result {
-    if read_only {
-        f.write_str("read-only ")?;
-    }
-    write!(f, "{dtype} {}", tuple(shape))?;
-    if !crate::layout::is_c_contiguous(shape, strides) {
-        write!(f, " strides {}", tuple(strides))?;
-        if overlap {
-            f.write_str(" (elements overlap)")?;
-        }
-    }
-    write!(f, " on {device}")
-}
-
-impl ManagedTensor {
-    /// This tensor as a refusal words what it got ([`Mismatch`]'s words), the read-only mark
-    /// shown where `writing` was asked.
-    pub(crate) fn found(&self, writing: bool) -> String {
-        struct Found<'a>(&'a ManagedTensor, bool);
-        impl fmt::Display for Found<'_> {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                let t = self.0;
-                write_found(
-                    f,
-                    (t.dtype(), t.shape(), t.strides(), t.device()),
-                    self.1 && t.is_read_only(),
-                    false,
-                )
-            }
-        }
-        Found(self, writing).to_string()
-    }
-}
-
 impl fmt::Display for Spec {
     /// `writable float32 (*, 3) C-contiguous cpu tensor`: the words a refusal uses.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -242,7 +190,7 @@ impl fmt::Display for Spec {
 
 /// The one check pass of every typed argument, over a tensor's parts: the first field of `spec`
 /// failed (dtype, rank, extents, device, order, writability, in that order), if any. A
-/// [`ManagedTensor`] and an XLA FFI buffer ([`crate::xla`]) are both checked here.
+/// [`ManagedTensor`](crate::ManagedTensor) and an XLA FFI buffer ([`crate::xla`]) are both checked here.
 #[inline(always)]
 pub(crate) fn first_failure_of(
     spec: &Spec,
@@ -280,53 +228,6 @@ pub(crate) fn first_failure_of(
         return Some(Field::Writable);
     }
     None
-}
-
-impl ManagedTensor {
-    /// Checks this tensor against `spec` in one pass: [`Error::Mismatch`] names the first field
-    /// that failed (dtype, rank, extents, device, order, writability, in that order).
-    #[inline]
-    pub fn check(&self, spec: &Spec) -> Result<()> {
-        match self.first_failure(spec) {
-            None => Ok(()),
-            Some(field) => Err(self.mismatch(spec, field)),
-        }
-    }
-
-    /// The first field of `spec` this tensor fails, if any (no allocation).
-    #[inline(always)]
-    pub(crate) fn first_failure(&self, spec: &Spec) -> Option<Field> {
-        first_failure_of(
-            spec,
-            self.dtype(),
-            self.shape(),
-            self.device(),
-            || self.is_c_contiguous(),
-            || self.is_f_contiguous(),
-            || self.is_writable(),
-        )
-    }
-
-    /// Whether typed mutable access may be given: not read-only, and no two elements may share
-    /// memory.
-    pub(crate) fn is_writable(&self) -> bool {
-        !self.is_read_only()
-            && (self.numel() <= 1 || !crate::layout::may_overlap(self.shape(), self.strides()))
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn mismatch(&self, spec: &Spec, field: Field) -> Error {
-        Error::Mismatch(Box::new(Mismatch {
-            field,
-            expected: *spec,
-            dtype: self.dtype(),
-            shape: self.shape().to_vec(),
-            strides: self.strides().to_vec(),
-            device: self.device(),
-            read_only: self.is_read_only(),
-        }))
-    }
 }
 
 /// A shape requirement as a type: [`AnyShape`], [`Rank<N>`], or a tuple of [`Dim<N>`] / [`Any`]
@@ -466,6 +367,8 @@ impl<T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> SpecOf<T, S, O, D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
+    use crate::managed::ManagedTensor;
 
     fn t(shape: &[usize], strides: &[isize]) -> ManagedTensor {
         let n = shape.iter().product::<usize>().max(1) * 4;

@@ -19,40 +19,26 @@
 //! }
 //! ```
 
-mod cache;
-mod capsule;
-mod exchange;
-mod fastcall;
-mod framework;
+mod export;
 mod import;
-mod kernel;
-mod numpy;
-mod protocols;
-mod release;
-#[cfg(target_os = "linux")]
-mod shared;
-mod tensor;
+mod kernels;
+mod processes;
+mod runtime;
 #[cfg(feature = "test-hooks")]
 mod test_hooks;
-mod torch_bits;
-mod typed;
-mod types;
-mod view;
 
 use pyo3::prelude::*;
 
-pub use capsule::{
-    DLTENSOR, DLTENSOR_VERSIONED, USED_DLTENSOR, USED_DLTENSOR_VERSIONED, consume, is_capsule,
+pub use export::{Framework, Output};
+pub use import::{
+    AnyTensor, EXCHANGE_API_CAPSULE, ExchangeApi, ImportOptions, TENSOR_EXCHANGE_API, asdlpack_with,
+    from_dlpack_with,
 };
-pub use exchange::{EXCHANGE_API_CAPSULE, ExchangeApi, TENSOR_EXCHANGE_API};
-pub use framework::{Framework, Output};
-pub use import::{ImportOptions, from_dlpack_with};
-pub use kernel::{KernelDef, add_kernel, xla_capsule};
-pub use protocols::{AnyTensor, PyOwner, asdlpack_with};
-pub use tensor::Tensor;
-pub use typed::{HostSpec, TensorMut, TensorRef};
-pub use types::{PyDType, PyDevice, argument_error, device_type_enum, device_type_member};
-pub use view::TensorView;
+pub use kernels::{HostSpec, KernelDef, TensorMut, TensorRef, TensorView, add_kernel, xla_capsule};
+pub use runtime::{
+    DLTENSOR, DLTENSOR_VERSIONED, PyDType, PyDevice, PyOwner, Tensor, USED_DLTENSOR, USED_DLTENSOR_VERSIONED,
+    argument_error, consume, device_type_enum, device_type_member, is_capsule,
+};
 
 use crate::dtype::DataType;
 
@@ -77,7 +63,7 @@ fn keyword<'py, T: for<'a> FromPyObject<'a, 'py>>(
 /// `dlbridge.from_dlpack`: imports any DLPack producer (an object with `__dlpack__`, a bare
 /// capsule, or a `dlbridge.Tensor`) as a `dlbridge.Tensor`, without copying unless `copy=True`.
 /// (Fastcall, see `fastcall.rs`: this is the entry point of every Python-level import.)
-static FROM_DLPACK_DEF: fastcall::StaticDef = fastcall::StaticDef::new(
+static FROM_DLPACK_DEF: runtime::fastcall::StaticDef = runtime::fastcall::StaticDef::new(
     c"from_dlpack",
     from_dlpack_fastcall,
     c"from_dlpack(x, /, *, device=None, copy=None, stream=None, legacy_writable=False)\n--\n\nImports any DLPack producer as a `dlbridge.Tensor`, without copying unless asked.\n\nArguments:\n  x: an object with `__dlpack__` (numpy, torch, jax, tensorflow, pyarrow, cupy, array-api\n    libraries, a `dlbridge.Tensor`) or a bare DLPack capsule (\"dltensor\" or\n    \"dltensor_versioned\"), which is consumed. For bytes, memoryviews, mmaps or objects with\n    `__array_interface__` / `__cuda_array_interface__`, use `asdlpack`.\n  device: the device the result must be on: \"cpu\", \"cuda:1\", a `dlbridge.Device` or a\n    `(DeviceType, id)` tuple. Passed to the producer as `dl_device`; dlbridge itself never\n    moves data between devices. None: wherever the producer's tensor is.\n  copy: True: always a new, writable copy; False: never a copy (BufferError if the producer\n    needs one); None: whatever the producer does (usually no copy).\n  stream: passed to the producer's `__dlpack__(stream=...)` as given (device producers only:\n    the producer makes that stream wait for its work). None: no stream.\n  legacy_writable: treat tensors from legacy (pre-1.0) capsules, which cannot say whether\n    writing is allowed, as writable. Default False: they are read-only.\n\nReturns:\n  A `dlbridge.Tensor` over the producer's memory (the same memory unless copied), accepted by\n  every DLPack consumer as often as asked.\n\nRaises:\n  TypeError: `x` is not an array (no `__dlpack__`, not a DLPack capsule), or an argument has\n    the wrong type.\n  BufferError: the tensor cannot be imported: the producer refused the export (its exception\n    is the `__cause__`), an invalid or unsupported tensor (the message names the field), a\n    torch tensor that requires grad or is lazily conjugated or negated, the wrong device, or a\n    copy needed with `copy=False`.\n  ValueError: a capsule that was already consumed, or a malformed device name.",
@@ -91,7 +77,7 @@ unsafe extern "C" fn from_dlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython calls a function with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    fastcall::run(py, || {
+    runtime::fastcall::run(py, || {
         let names = [
             pyo3::intern!(py, "device"),
             pyo3::intern!(py, "copy"),
@@ -100,7 +86,7 @@ unsafe extern "C" fn from_dlpack_fastcall(
         ];
         // SAFETY: CPython's fastcall arguments, alive for the call.
         let ([x], [device, copy, stream, legacy]) =
-            unsafe { fastcall::parse::<1, 4>(py, "from_dlpack", args, nargs, kwnames, names) }?;
+            unsafe { runtime::fastcall::parse::<1, 4>(py, "from_dlpack", args, nargs, kwnames, names) }?;
         let opts = if device.is_none() && copy.is_none() && stream.is_none() && legacy.is_none() {
             ImportOptions::default()
         } else {
@@ -117,7 +103,7 @@ unsafe extern "C" fn from_dlpack_fastcall(
 /// protocol, `__array_interface__`, `__cuda_array_interface__`) as a `dlbridge.Tensor`, without
 /// copying. `device_id` names the CUDA device of a CUDA-array-interface pointer when no driver can
 /// tell. (Fastcall, see `fastcall.rs`.)
-static ASDLPACK_DEF: fastcall::StaticDef = fastcall::StaticDef::new(
+static ASDLPACK_DEF: runtime::fastcall::StaticDef = runtime::fastcall::StaticDef::new(
     c"asdlpack",
     asdlpack_fastcall,
     c"asdlpack(obj, /, *, device_id=None)\n--\n\nWraps any object that speaks an array protocol as a `dlbridge.Tensor`, without copying.\n\nArguments:\n  obj: a DLPack producer (imported as `from_dlpack(obj)` would), a buffer-protocol exporter\n    (bytes, bytearray, array.array, memoryview, mmap, ...), or an object with\n    `__array_interface__` (v3) or `__cuda_array_interface__` (v2/v3). The object is kept\n    alive, and its buffer held, as long as the tensor lives.\n  device_id: the CUDA device ordinal of a `__cuda_array_interface__` pointer, for when the\n    CUDA driver is not there to tell. None: asked of the driver.\n\nReturns:\n  A `dlbridge.Tensor` over the object's memory (read-only where the object is), accepted by\n  every DLPack consumer as often as asked. A consumer that passes a stream is made to wait on\n  the producer's `stream` (`__cuda_array_interface__` v3).\n\nRaises:\n  TypeError: `obj` speaks no array protocol, or an argument or an interface field has the\n    wrong type.\n  BufferError: the memory cannot be described as a tensor (a buffer format or typestr with no\n    DLPack dtype, a layout DLPack cannot express, an invalid interface dictionary), or a DLPack\n    producer's refusal.\n  ValueError: an interface dictionary with a field missing or out of range.",
@@ -131,10 +117,17 @@ unsafe extern "C" fn asdlpack_fastcall(
 ) -> *mut pyo3::ffi::PyObject {
     // SAFETY: CPython calls a function with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    fastcall::run(py, || {
+    runtime::fastcall::run(py, || {
         // SAFETY: CPython's fastcall arguments, alive for the call.
         let ([obj], [device_id]) = unsafe {
-            fastcall::parse::<1, 1>(py, "asdlpack", args, nargs, kwnames, [pyo3::intern!(py, "device_id")])
+            runtime::fastcall::parse::<1, 1>(
+                py,
+                "asdlpack",
+                args,
+                nargs,
+                kwnames,
+                [pyo3::intern!(py, "device_id")],
+            )
         }?;
         let device_id = keyword::<i32>("asdlpack", "device_id", device_id)?;
         let any = asdlpack_with(&obj, device_id)?;
@@ -153,44 +146,13 @@ pub fn init_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("from_dlpack", FROM_DLPACK_DEF.function(m)?)?;
     m.add("asdlpack", ASDLPACK_DEF.function(m)?)?;
     #[cfg(target_os = "linux")]
-    shared::add(m)?;
+    processes::add(m)?;
     #[cfg(feature = "test-hooks")]
     test_hooks::add(m)?;
-    join_process(py);
+    runtime::join_process(py);
     m.add("__dlpack_version__", (crate::ffi::DLPACK_MAJOR_VERSION, crate::ffi::DLPACK_MINOR_VERSION))?;
     for t in DataType::ALL {
         m.add(t.to_string().as_str(), PyDType(t))?;
     }
     Ok(())
-}
-
-/// Whether this copy of the crate has joined the process: registered the `atexit` hook that stops
-/// deferred releases before the interpreter is torn down. (The borrow registry needs no joining:
-/// every copy finds the process's through `crate::process_wide`.)
-static JOINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Joins the process (see [`JOINED`]) once: every entry point from Python calls it (one relaxed load
-/// after the first time), so a downstream extension that never calls [`init_module`] joins too.
-#[inline]
-pub(crate) fn join_process(py: Python<'_>) {
-    if !JOINED.load(std::sync::atomic::Ordering::Relaxed) {
-        join(py);
-    }
-}
-
-/// What every import entry point does first, with the GIL: release what drops on threads without
-/// the GIL queued, and join the process (both one relaxed load when there is nothing to do).
-#[inline]
-pub(crate) fn enter(py: Python<'_>) {
-    release::drain_queued(py);
-    join_process(py);
-}
-
-#[cold]
-fn join(py: Python<'_>) {
-    // Under the GIL, so two threads of this module never race here; not joined until the hook is
-    // registered (then the caller tries again at its next entry).
-    if release::register_atexit(py) {
-        JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
 }

@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 
 use super::import::{ImportOptions, from_dlpack_with};
-use super::view::TensorView;
+use super::kernels::TensorView;
 
 /// Adds the hooks to `m`.
 pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -67,7 +67,7 @@ fn _cuda_ipc_mappings() -> Vec<(i32, usize, usize)> {
 /// Whether the verified numpy struct fast path is on in this process (tests and benchmarks).
 #[pyfunction]
 fn _numpy_fast_path() -> bool {
-    super::numpy::fast_path_enabled()
+    super::import::fast_path_enabled()
 }
 
 /// What the view test hooks return: `(data_ptr, shape, strides, dtype name, readonly)`.
@@ -198,7 +198,7 @@ impl HostileBuffer {
 /// Returns after the worker finished.
 #[pyfunction]
 fn _drop_while_caller_holds_the_gil(x: &Bound<'_, PyAny>) -> PyResult<()> {
-    let t = super::protocols::asdlpack_with(x, None)?.tensor;
+    let t = super::asdlpack_with(x, None)?.tensor;
     std::thread::scope(|s| s.spawn(move || drop(t)).join())
         .map_err(|_| pyo3::exceptions::PyRuntimeError::new_err("the worker thread panicked"))
 }
@@ -232,7 +232,7 @@ fn _view_twice(a: TensorView<'_>, mut b: TensorView<'_>, value: f64) -> PyResult
 /// Test hook: how many type-level lookups (type-cache misses) dlbridge made so far.
 #[pyfunction]
 fn _type_cache_misses() -> usize {
-    super::cache::MISSES.load(std::sync::atomic::Ordering::Relaxed)
+    super::import::MISSES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The name of the framework results for callers of `like` are returned as.
@@ -339,21 +339,21 @@ fn _slice_across_detach(py: Python<'_>, mut x: TensorView<'_>, seconds: f64, val
 /// process (verified once; else through the methods).
 #[pyfunction]
 fn _torch_bits_from_aten(py: Python<'_>) -> bool {
-    super::torch_bits::aten_bits(py).is_some()
+    super::import::aten_bits(py).is_some()
 }
 
 /// Whether a torch write's checks and version bump go through ATen and c10 in this process
 /// (verified once; else through torch's Python functions).
 #[pyfunction]
 fn _torch_writes_from_aten(py: Python<'_>) -> bool {
-    super::torch_bits::aten_bits(py).is_some_and(|b| b.writes_verified())
+    super::import::aten_bits(py).is_some_and(|b| b.writes_verified())
 }
 
 /// Whether borrowed views of torch tensors keep their memory valid through the storage's
 /// `DataPtr` in this process (verified once).
 #[pyfunction]
 fn _torch_views_keep_memory(py: Python<'_>) -> bool {
-    super::torch_bits::aten_bits(py).is_some_and(|b| b.keeps_memory())
+    super::import::aten_bits(py).is_some_and(|b| b.keeps_memory())
 }
 
 crate::xla_handler! {
@@ -390,7 +390,7 @@ crate::xla_handler! {
 /// The capsule of [`xla_copy_cuda`], for `jax.ffi.register_ffi_target(name, capsule, platform="CUDA")`.
 #[pyfunction]
 fn _xla_copy_cuda(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyCapsule>> {
-    super::kernel::xla_capsule(py, xla_copy_cuda)
+    super::kernels::xla_capsule(py, xla_copy_cuda)
 }
 
 /// float32 memory of `shape` on `device` from the exchange table of `like`'s type (its
@@ -401,7 +401,7 @@ fn _table_allocate(
     shape: Vec<i64>,
     device: super::PyDevice,
 ) -> PyResult<crate::ManagedTensor> {
-    let api = super::cache::type_info(&like.get_type())?
+    let api = super::import::type_info(&like.get_type())?
         .exchange
         .ok_or_else(|| pyo3::exceptions::PyTypeError::new_err("no exchange table"))?;
     api.allocate(like.py(), crate::DataType::FLOAT32, &shape, device.0)

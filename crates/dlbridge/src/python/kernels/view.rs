@@ -13,15 +13,14 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-use super::cache;
-use super::import::{ImportOptions, from_dlpack_with};
-use super::release::HeldBuffer;
-use super::tensor::Tensor;
 use crate::device::Device;
 use crate::dims::Dims;
 use crate::ffi::DLTensor;
 use crate::flags::Flags;
 use crate::managed::ManagedTensor;
+use crate::python::import::{ImportOptions, from_dlpack_with};
+use crate::python::runtime::HeldBuffer;
+use crate::python::runtime::Tensor;
 use crate::spec::Spec;
 
 /// Where a borrowed `DLTensor` and the dims it points into live while the view exists: one heap
@@ -34,11 +33,11 @@ struct Borrow {
     /// torch's state accessors when the view came through torch's exchange table: its rule on
     /// in-place writes is checked when mutable access is asked for. (Here rather than in the
     /// view, which every numpy argument builds and returns: one field fewer to move.)
-    torch: Option<&'static super::exchange::TorchState>,
+    torch: Option<&'static crate::python::import::TorchState>,
     /// The hold on a torch tensor's memory (see `torch_bits::Keep`): whatever Python code the
     /// kernel runs (`x.set_()`, `x.resize_()`, `x.share_memory_()`), the memory stays valid while
     /// the view lives.
-    kept: Option<super::torch_bits::Kept>,
+    kept: Option<crate::python::import::Kept>,
 }
 
 thread_local! {
@@ -100,18 +99,18 @@ impl TensorView<'_> {
     ///   Python function; that Python may replace the storage (`x.set_()`, `x.data = ...`). The
     ///   table's description is read again after them (no Python) and must be the view's, else the
     ///   access is refused rather than write freed memory.
-    fn prepare_producer_write(&self) -> crate::Result<()> {
+    pub(super) fn prepare_producer_write(&self) -> crate::Result<()> {
         let Some((state, py)) = self.torch_attached()? else { return Ok(()) };
         let obj = self.object(py);
         state.refuse_write(&obj)?;
         // The bump before the check below: where torch's Python function bumps (not exactly
         // `torch.Tensor`, or ATen not verified), that Python may replace the storage too.
-        super::typed::bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
+        bump_version(&obj).map_err(|e| crate::Error::WriteRefused {
             field: "_version",
             reason: format!("could not be bumped: {e}"),
         })?;
         let moved = |reason: &str| crate::Error::WriteRefused { field: "data", reason: reason.into() };
-        let api = super::cache::type_info(&obj.get_type())
+        let api = crate::python::import::type_info(&obj.get_type())
             .ok()
             .and_then(|info| info.exchange)
             .ok_or_else(|| moved("the tensor's type lost its exchange table"))?;
@@ -145,11 +144,13 @@ impl TensorView<'_> {
     }
 
     /// The torch state of a torch tensor's view, with the GIL this thread must hold to use it.
-    fn torch_attached(&self) -> crate::Result<Option<(&'static super::exchange::TorchState, Python<'_>)>> {
+    fn torch_attached(
+        &self,
+    ) -> crate::Result<Option<(&'static crate::python::import::TorchState, Python<'_>)>> {
         // SAFETY: the block is owned by this view and alive until it drops.
         let torch = self.borrow.and_then(|b| unsafe { b.as_ref() }.torch);
         let Some(state) = torch else { return Ok(None) };
-        if !super::release::attached_here() {
+        if !crate::python::runtime::attached_here() {
             return Err(crate::Error::WriteRefused {
                 field: "requires_grad",
                 reason: "mutable access to a torch tensor needs this thread to hold the GIL (it reads \
@@ -183,53 +184,9 @@ impl<'a> TensorView<'a> {
     }
 
     /// The framework the viewed object belongs to: what results should be returned as
-    /// (see [`super::Framework`]).
-    pub fn framework(&self, py: Python<'_>) -> PyResult<super::Framework> {
-        super::Framework::of(&self.object(py))
-    }
-
-    /// This view with its requirements stated as types, checked once ([`crate::spec`]): a
-    /// [`super::TensorRef`], or [`crate::Error::Mismatch`] (a `TypeError` in Python) naming the
-    /// first field that failed. For kernels that dispatch on the dtype at run time:
-    ///
-    /// ```no_run
-    /// use dlbridge::python::TensorView;
-    /// use dlbridge::spec::{C, Cpu, Rank};
-    /// use dlbridge::DataType;
-    /// use pyo3::prelude::*;
-    /// #[pyfunction]
-    /// fn total(x: TensorView<'_>) -> PyResult<f64> {
-    ///     Ok(match x.dtype() {
-    ///         DataType::FLOAT32 => x.typed::<f32, Rank<1>, C, Cpu>()?.as_slice()?.iter().map(|&v| v as f64).sum(),
-    ///         _ => x.typed::<f64, Rank<1>, C, Cpu>()?.as_slice()?.iter().sum(),
-    ///     })
-    /// }
-    /// ```
-    pub fn typed<
-        T: crate::Element,
-        S: crate::spec::ShapeSpec,
-        O: crate::spec::OrderSpec,
-        D: crate::spec::DeviceSpec,
-    >(
-        self,
-    ) -> crate::Result<super::TensorRef<'a, T, S, O, D>> {
-        super::TensorRef::new(self)
-    }
-
-    /// [`TensorView::typed`] for writing: the tensor must also be writable (not read-only, no
-    /// overlapping elements).
-    pub fn typed_mut<
-        T: crate::Element,
-        S: crate::spec::ShapeSpec,
-        O: crate::spec::OrderSpec,
-        D: crate::spec::DeviceSpec,
-    >(
-        self,
-    ) -> crate::Result<super::TensorMut<'a, T, S, O, D>> {
-        // The stated requirements first: a mismatch bumps nothing.
-        self.check(&super::TensorMut::<'a, T, S, O, D>::SPEC)?;
-        self.prepare_producer_write()?;
-        super::TensorMut::new(self)
+    /// (see [`crate::python::Framework`]).
+    pub fn framework(&self, py: Python<'_>) -> PyResult<crate::python::Framework> {
+        crate::python::Framework::of(&self.object(py))
     }
 
     /// Borrows `obj` for as long as the reference to it lives: the view cannot outlive the object.
@@ -271,14 +228,14 @@ impl<'a> TensorView<'a> {
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
     pub(crate) unsafe fn borrow_checked(obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Self> {
-        super::enter(obj.py());
+        crate::python::runtime::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
         // store-forwarding stall per hop).
         // SAFETY: a live object's address is never NULL.
         let source = unsafe { NonNull::new_unchecked(obj.as_ptr()) };
         // (No `Option<PyResult<Self>>` in between either: the view is written in place.)
-        if let Some(p) = super::numpy::parts_exact(obj) {
+        if let Some(p) = crate::python::import::parts_exact(obj) {
             let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
             if let Some(block) = Self::numpy_block(p) {
                 return Self::from_borrow(block, flags, source, spec);
@@ -365,9 +322,9 @@ impl<'a> TensorView<'a> {
 
     /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
     /// item size (then DLPack describes the array, or refuses it, instead).
-    fn numpy_block(p: super::numpy::NumpyParts<'_>) -> Option<Box<Borrow>> {
+    fn numpy_block(p: crate::python::import::NumpyParts<'_>) -> Option<Box<Borrow>> {
         let mut b = blank();
-        if !super::numpy::fill_dims(&p, &mut b.dims) {
+        if !crate::python::import::fill_dims(&p, &mut b.dims) {
             recycle(b);
             return None;
         }
@@ -387,7 +344,7 @@ impl<'a> TensorView<'a> {
     /// A numpy array as a view: the common case without a `Result` in between.
     #[inline(always)]
     fn from_numpy(
-        p: super::numpy::NumpyParts<'_>,
+        p: crate::python::import::NumpyParts<'_>,
         source: NonNull<ffi::PyObject>,
         spec: &Spec,
     ) -> Option<PyResult<Self>> {
@@ -405,9 +362,10 @@ impl<'a> TensorView<'a> {
             b.dims.set(inner.shape(), inner.strides());
             return Self::from_borrow(b, inner.flags(), source, spec);
         }
-        let info = cache::type_info(&obj.get_type())?;
+        let info = crate::python::import::type_info(&obj.get_type())?;
         if info.numpy {
-            if let Some(v) = super::numpy::parts(obj).and_then(|p| Self::from_numpy(p, source, spec)) {
+            if let Some(v) = crate::python::import::parts(obj).and_then(|p| Self::from_numpy(p, source, spec))
+            {
                 return v;
             }
         }
@@ -435,7 +393,9 @@ impl<'a> TensorView<'a> {
                     if b.torch.is_some() {
                         // No Python has run since the table's description: the storage kept is the
                         // one it describes.
-                        match super::torch_bits::aten_bits_found(obj.py()).and_then(|a| a.keep_memory(obj)) {
+                        match crate::python::import::aten_bits_found(obj.py())
+                            .and_then(|a| a.keep_memory(obj))
+                        {
                             Some(Ok(kept)) => b.kept = kept,
                             Some(Err(why)) => {
                                 recycle(b);
@@ -466,11 +426,11 @@ impl<'a> TensorView<'a> {
                 Err(e) => return Err(e),
             }
         } else if !info.dlpack
-            && !super::capsule::is_capsule(obj)
+            && !crate::python::runtime::is_capsule(obj)
             && !obj.hasattr(pyo3::intern!(obj.py(), "__dlpack__"))?
         {
             // What an argument takes, worded as every path words it (no function named).
-            return Err(super::protocols::not_an_array(obj, "__dlpack__ or the buffer protocol"));
+            return Err(crate::python::import::not_an_array(obj, "__dlpack__ or the buffer protocol"));
         }
         Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source).checked(spec)
     }
@@ -478,7 +438,7 @@ impl<'a> TensorView<'a> {
     fn from_buffer(obj: &Bound<'_, PyAny>, source: NonNull<ffi::PyObject>, spec: &Spec) -> PyResult<Self> {
         let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
         let mut b = blank();
-        let m = match super::protocols::read_view(held.view(), &mut b.dims) {
+        let m = match crate::python::import::read_view(held.view(), &mut b.dims) {
             Ok(m) => m,
             Err(e) => {
                 recycle(b);
@@ -516,7 +476,7 @@ impl Drop for TensorView<'_> {
 /// where nothing else holds it (`source`: the viewed object, alive).
 fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
     let Some(kept) = b.kept.take() else { return };
-    if !super::release::attached_here() {
+    if !crate::python::runtime::attached_here() {
         // (A view is dropped where it was made, with the GIL; without it the hold is kept: the
         // last holder may run a deleter that takes the GIL.)
         return drop(kept);
@@ -526,7 +486,7 @@ fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
         let py = Python::assume_attached();
         (py, Borrowed::from_ptr(py, source.as_ptr()))
     };
-    match super::torch_bits::aten_bits_found(py) {
+    match crate::python::import::aten_bits_found(py) {
         Some(bits) => bits.release_memory(&obj, kept),
         None => drop(kept),
     }
@@ -572,4 +532,42 @@ fn blank() -> Box<Borrow> {
         torch: None,
         kept: None,
     })
+}
+
+/// Bumps a torch tensor's version counter (after `TorchState::refuse_write`), as torch's own
+/// in-place operations do, so autograd refuses a backward pass through a value a kernel overwrote
+/// ("modified by an inplace operation") instead of computing wrong gradients: through ATen's
+/// `bump_version` where verified (exactly `torch.Tensor`, import's `torch_bits.rs`; a tensor without
+/// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here), which runs
+/// Python: call it before taking a view that is used afterwards.
+pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    if bump_version_in_aten(obj) { Ok(()) } else { bump_version_in_python(obj) }
+}
+
+/// The version bump through ATen, running no Python: whether it was decided here (bumped, or no
+/// counter to bump). Never starts the one-time search of ATen's functions (which runs Python):
+/// the write rules read before it did.
+#[inline]
+pub(super) fn bump_version_in_aten(obj: &Bound<'_, PyAny>) -> bool {
+    matches!(
+        crate::python::import::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
+        Some(crate::python::import::Bump::Done | crate::python::import::Bump::NoCounter)
+    )
+}
+
+/// The version bump through `torch._C._increment_version`: Python, which may replace the storage.
+#[cold]
+pub(super) fn bump_version_in_python(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    let py = obj.py();
+    static BUMP: pyo3::sync::PyOnceLock<Option<Py<PyAny>>> = pyo3::sync::PyOnceLock::new();
+    let bump = BUMP.get_or_init(py, || {
+        py.import("torch")
+            .and_then(|t| t.getattr("_C")?.getattr("_increment_version"))
+            .ok()
+            .map(Bound::unbind)
+    });
+    if let Some(f) = bump {
+        f.bind(py).call1((pyo3::types::PyTuple::new(py, [obj.as_any()])?,))?;
+    }
+    Ok(())
 }

@@ -1,7 +1,11 @@
 //! The Python vocabulary: `dlbridge.DType`, `dlbridge.Device`, the `dlbridge.DeviceType` IntEnum,
-//! and the mapping of [`crate::Error`] onto the exceptions the array API standard names.
+//! the mapping of [`crate::Error`] onto the exceptions the array API standard names, and the
+//! `dlbridge.Tensor` class itself (what it holds and how it is made; every room makes or reads
+//! one). Its Python methods, the producer side, are in `export/tensor.rs`.
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use std::sync::Arc;
+
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -9,6 +13,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use crate::device::{Device, DeviceType};
 use crate::dtype::DataType;
 use crate::error::Error;
+use crate::managed::ManagedTensor;
 
 impl From<Error> for PyErr {
     /// Validation refusals (what cannot be imported or exported) become `BufferError`; bad names and
@@ -37,7 +42,7 @@ fn exception(e: &Error, msg: String) -> PyErr {
 /// `e` as the exception for the argument `name`, as PyO3 reports a failed argument conversion:
 /// the error's own message, with the note `while processing 'x'` (PEP 678, shown in tracebacks;
 /// Python 3.11 and later). For arguments a function converts itself, such as
-/// [`super::TensorView::typed`] after a dtype dispatch, so both kinds read the same.
+/// [`crate::python::TensorView::typed`] after a dtype dispatch, so both kinds read the same.
 pub fn argument_error(name: &str, e: Error) -> PyErr {
     let err = PyErr::from(e);
     Python::attach(|py| {
@@ -272,4 +277,60 @@ pub fn extract_device(obj: &Bound<'_, PyAny>) -> PyResult<Device> {
         "device: expected \"cpu\", a dlbridge.Device or a (type, id) tuple, got {}",
         obj.get_type().name()?
     )))
+}
+
+/// A DLPack tensor owned by dlbridge: any DLPack consumer (numpy, torch, jax, ...) accepts it,
+/// as often as asked.
+// The Python package's own module is `dlbridge`; a downstream extension's copy of the class is
+// another class (not `dlbridge.Tensor`, which `isinstance` would deny), and says so.
+#[cfg_attr(feature = "dlbridge-module", pyclass(module = "dlbridge", name = "Tensor", frozen))]
+#[cfg_attr(not(feature = "dlbridge-module"), pyclass(module = "dlbridge.embedded", name = "Tensor", frozen))]
+pub struct Tensor {
+    pub(in crate::python) inner: Arc<ManagedTensor>,
+    /// `__dlpack_device__`'s tuple, made on first call.
+    pub(in crate::python) device_tuple: PyOnceLock<Py<PyTuple>>,
+    /// The CUDA stream the producer's work is queued on (`__cuda_array_interface__` v3): consumers
+    /// asking for a stream are made to wait on it.
+    pub(in crate::python) producer_stream: Option<usize>,
+}
+
+impl Tensor {
+    /// Wraps a tensor.
+    pub fn new(t: ManagedTensor) -> Self {
+        Self { inner: Arc::new(t), device_tuple: PyOnceLock::new(), producer_stream: None }
+    }
+
+    /// Wraps a tensor whose producer queues work on CUDA stream `stream`.
+    pub fn with_producer_stream(t: ManagedTensor, stream: Option<usize>) -> Self {
+        Self { inner: Arc::new(t), device_tuple: PyOnceLock::new(), producer_stream: stream }
+    }
+
+    /// Why the exchange table's unsynchronised exports must refuse this tensor, if they must: one
+    /// whose producer queues work on a CUDA stream (`__cuda_array_interface__` v3) needs the
+    /// stream handshake that only `__dlpack__(stream=...)` makes (the table's consumer would read
+    /// before the producer's work is done).
+    pub(crate) fn unsynchronised_export_refusal(&self) -> Option<PyErr> {
+        self.producer_stream.map(|s| {
+            PyBufferError::new_err(format!(
+                "exchange API: the tensor's producer queues work on CUDA stream {s:#x}; a no-sync \
+                 export cannot wait for it, so use __dlpack__(stream=...)"
+            ))
+        })
+    }
+
+    /// The shared tensor.
+    pub fn shared(&self) -> &Arc<ManagedTensor> {
+        &self.inner
+    }
+}
+
+impl<'py> IntoPyObject<'py> for ManagedTensor {
+    type Target = Tensor;
+    type Output = Bound<'py, Tensor>;
+    type Error = PyErr;
+
+    /// A `dlbridge.Tensor` owning this tensor, so a `#[pyfunction]` can return a `ManagedTensor`.
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, Tensor>> {
+        Bound::new(py, Tensor::new(self))
+    }
 }

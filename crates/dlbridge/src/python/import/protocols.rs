@@ -1,22 +1,15 @@
-//! `asdlpack`: any object that speaks an array protocol, as a [`ManagedTensor`].
-//!
-//! Sources, in order: a `dlbridge.Tensor`, a bare DLPack capsule, `__dlpack__` (the full
-//! negotiation of `from_dlpack`), the buffer protocol, `__array_interface__` (v3), and
-//! `__cuda_array_interface__` (v2, v3). Every field of the non-DLPack protocols is checked, and a
+//! The other protocols `asdlpack` takes, as a [`ManagedTensor`]: the buffer protocol,
+//! `__array_interface__` (v3) and `__cuda_array_interface__` (v2, v3) (which one speaks is
+//! [`super::dispatch`]'s choice). Every field of the non-DLPack protocols is checked, and a
 //! refusal names the protocol, the object's type and the field.
 
 use std::ffi::CStr;
-use std::ptr::NonNull;
 
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::capsule::is_capsule;
-use super::import::{ImportOptions, from_dlpack_with};
-use super::release::HeldBuffer;
 use crate::cuda::Driver;
 use crate::device::Device;
 use crate::dims::Dims;
@@ -24,35 +17,7 @@ use crate::dtype::DataType;
 use crate::flags::Flags;
 use crate::interface;
 use crate::managed::ManagedTensor;
-
-/// Keeps a Python object alive for as long as a tensor uses its memory. Dropped with the GIL it
-/// releases the reference at once; dropped without (a consumer's worker thread) it never waits for
-/// the GIL, which could deadlock, but queues the release (see `release.rs`); after finalization
-/// it leaks the reference rather than touch a dead interpreter.
-pub struct PyOwner(NonNull<ffi::PyObject>);
-
-// SAFETY: the reference is only released with the GIL held (queued otherwise); nothing else
-// dereferences it.
-unsafe impl Send for PyOwner {}
-// SAFETY: shared access does nothing with the pointer.
-unsafe impl Sync for PyOwner {}
-
-impl PyOwner {
-    /// Owns a reference to `obj`.
-    pub fn new(obj: &Bound<'_, PyAny>) -> Self {
-        // Registers the atexit hook that keeps a late release off a finalizing interpreter.
-        super::join_process(obj.py());
-        // SAFETY: a live object's pointer, never NULL.
-        Self(unsafe { NonNull::new_unchecked(obj.clone().into_ptr()) })
-    }
-}
-
-impl Drop for PyOwner {
-    fn drop(&mut self) {
-        // SAFETY: the strong reference `new` took, given up once.
-        unsafe { super::release::release_object(self.0) }
-    }
-}
+use crate::python::runtime::{HeldBuffer, PyOwner};
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().fully_qualified_name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
@@ -64,36 +29,6 @@ pub struct AnyTensor {
     pub tensor: ManagedTensor,
     /// The producer's CUDA stream (`__cuda_array_interface__` v3), to be waited on by consumers.
     pub producer_stream: Option<usize>,
-}
-
-/// Imports any object that speaks DLPack, the buffer protocol, `__array_interface__` or
-/// `__cuda_array_interface__`. `device_id` names the CUDA device of a CUDA-array-interface pointer
-/// when no CUDA driver can tell.
-pub fn asdlpack_with(obj: &Bound<'_, PyAny>, device_id: Option<i32>) -> PyResult<AnyTensor> {
-    let py = obj.py();
-    let plain = |tensor| Ok(AnyTensor { tensor, producer_stream: None });
-    // Whether the type defines __dlpack__ comes from the per-type cache (no attribute lookup on
-    // the object, which would make a bound method each call).
-    if super::numpy::parts_exact(obj).is_some()
-        || obj.cast_exact::<super::Tensor>().is_ok()
-        || is_capsule(obj)
-        || super::cache::type_info(&obj.get_type())?.dlpack
-    {
-        return plain(from_dlpack_with(obj, &ImportOptions::default())?);
-    }
-    // The DLPack producers above entered through from_dlpack_with; the other protocols here.
-    super::enter(py);
-    // SAFETY: a type-slot check on a live object.
-    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1 {
-        return plain(from_buffer(obj)?);
-    }
-    if let Some(ai) = obj.getattr_opt(intern!(py, "__array_interface__"))? {
-        return plain(from_array_interface(obj, &ai)?);
-    }
-    if let Some(cai) = obj.getattr_opt(intern!(py, "__cuda_array_interface__"))? {
-        return from_cuda_array_interface(obj, &cai, device_id);
-    }
-    Err(not_an_array(obj, ""))
 }
 
 /// The one refusal of an object that is not an array, on every path (from_dlpack, arguments,
@@ -187,7 +122,8 @@ pub(crate) fn read_view(v: &ffi::Py_buffer, dims: &mut Dims) -> Result<ViewMeta,
     Ok(ViewMeta { dtype, readonly: v.readonly != 0 })
 }
 
-fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+#[inline]
+pub(super) fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
     let held = HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
     let mut dims = Dims::new();
     let m = read_view(held.view(), &mut dims).map_err(|e| buffer_error(obj, e))?;
@@ -332,7 +268,7 @@ fn pointer_pair(who: &str, data: &Bound<'_, PyAny>) -> PyResult<(usize, bool)> {
     Ok((ptr, ro))
 }
 
-fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
+pub(super) fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResult<ManagedTensor> {
     let who = format!("__array_interface__ of {}", type_name(obj));
     let iface = interface_fields(obj, "__array_interface__", ai, &[3])?;
     let (d, shape) = (iface.dict.clone(), iface.shape.clone());
@@ -407,7 +343,7 @@ fn from_array_interface(obj: &Bound<'_, PyAny>, ai: &Bound<'_, PyAny>) -> PyResu
     }
 }
 
-fn from_cuda_array_interface(
+pub(super) fn from_cuda_array_interface(
     obj: &Bound<'_, PyAny>,
     cai: &Bound<'_, PyAny>,
     device_id: Option<i32>,

@@ -43,7 +43,7 @@ struct Entry {
     tag: u32,
     info: TypeInfo,
     /// What results for callers of this type are returned as, once asked.
-    framework: Option<super::framework::Framework>,
+    framework: Option<Framework>,
     _keep: Py<PyType>,
 }
 
@@ -156,13 +156,13 @@ pub fn mark_legacy(ty: &Bound<'_, PyType>) {
     });
 }
 
-/// The framework of `ty` (see [`super::framework`]), found by `find` on the first call for the
+/// The framework of `ty` (see `export/framework.rs`), found by `find` on the first call for the
 /// type and cached with the type's entry.
 #[inline]
 pub fn framework(
     ty: &Bound<'_, PyType>,
-    find: fn(&Bound<'_, PyType>) -> PyResult<super::framework::Framework>,
-) -> PyResult<super::framework::Framework> {
+    find: fn(&Bound<'_, PyType>) -> PyResult<Framework>,
+) -> PyResult<Framework> {
     let (addr, tag) = key(ty);
     if tag != 0 {
         let hit = CACHE
@@ -180,4 +180,31 @@ pub fn framework(
         }
     });
     Ok(found)
+}
+
+/// A framework that results can be returned as (see `export/framework.rs`, which makes them and
+/// says how; the value is defined here because the per-type cache holds it): found from an input
+/// ([`Framework::of`]) or named ([`Framework::numpy`], [`Framework::torch`],
+/// [`Framework::dlbridge`]). Cheap to copy.
+#[derive(Clone, Copy)]
+pub struct Framework {
+    pub(in crate::python) kind: Kind,
+}
+
+/// How a [`Framework`] makes its results (see `export/framework.rs`).
+#[derive(Clone, Copy)]
+pub(in crate::python) enum Kind {
+    Dlbridge,
+    Numpy,
+    Table(ExchangeApi),
+    Function(&'static Importer),
+}
+
+/// A framework's own `from_dlpack`, found once per type.
+pub(in crate::python) struct Importer {
+    pub(in crate::python) func: Py<PyAny>,
+    /// Whether it takes a DLPack capsule rather than an object with `__dlpack__` (tensorflow).
+    pub(in crate::python) capsule: bool,
+    /// Where it was found (`"jax.dlpack.from_dlpack"`), for `repr` and errors.
+    pub(in crate::python) name: String,
 }

@@ -20,7 +20,6 @@ use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
 
-use super::tensor::Tensor;
 use crate::dtype::DataType;
 use crate::export::AlignedBuffer;
 use crate::ffi::{
@@ -28,6 +27,7 @@ use crate::ffi::{
     DLPackVersion, DLTensor,
 };
 use crate::managed::ManagedTensor;
+use crate::python::runtime::Tensor;
 
 /// Name of the capsule holding an exchange table (DLPack 1.3).
 pub const EXCHANGE_API_CAPSULE: &CStr = c"dlpack_exchange_api";
@@ -512,7 +512,7 @@ impl ExchangeApi {
             None => unsafe { ManagedTensor::from_raw_versioned(out) }?,
         };
         // The producer's deleter (torch's takes the GIL) never runs on a thread without the GIL.
-        let mt = super::release::gate_deleter(mt);
+        let mt = crate::python::runtime::gate_deleter(mt);
         refuse_lazy_views(obj, Some(mt.dtype()), self.torch_state)?;
         Ok(Ok(mt))
     }
@@ -703,7 +703,7 @@ impl ExchangeApi {
             });
         }
         // SAFETY: an owning pointer handed to us; validation deletes it on refusal.
-        let t = super::release::gate_deleter(unsafe { ManagedTensor::from_raw_versioned(out) }?);
+        let t = crate::python::runtime::gate_deleter(unsafe { ManagedTensor::from_raw_versioned(out) }?);
         let asked = t.dtype() == dtype && t.shape() == shape && t.device() == device && t.is_c_contiguous();
         if !asked || t.is_read_only() {
             return Err(PyBufferError::new_err(format!(
@@ -899,7 +899,7 @@ unsafe extern "C" fn allocator(
 /// The GIL is held and `obj` is a live object.
 unsafe fn tensor_of<'py>(py: Python<'py>, obj: *mut c_void) -> Option<Bound<'py, Tensor>> {
     if obj.is_null() {
-        super::fastcall::raise(PyBufferError::new_err("exchange API: py_object is NULL"));
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err("exchange API: py_object is NULL"));
         return None;
     }
     // SAFETY: the caller's promise: a live object, borrowed.
@@ -907,7 +907,7 @@ unsafe fn tensor_of<'py>(py: Python<'py>, obj: *mut c_void) -> Option<Bound<'py,
     match any.cast_into::<Tensor>() {
         Ok(t) => Some(t),
         Err(e) => {
-            super::fastcall::raise(PyErr::from(e));
+            crate::python::runtime::fastcall::raise(PyErr::from(e));
             None
         }
     }
@@ -922,11 +922,11 @@ unsafe extern "C" fn from_py_object_no_sync(
     // SAFETY: as above.
     let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
     if out.is_null() {
-        super::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
     if let Some(e) = t.get().unsynchronised_export_refusal() {
-        super::fastcall::raise(e);
+        crate::python::runtime::fastcall::raise(e);
         return -1;
     }
     let p = t.get().shared().export_versioned();
@@ -944,9 +944,9 @@ unsafe extern "C" fn to_py_object_no_sync(
     // SAFETY: the consumer hands over (steals into) an owning pointer; validation deletes it on refusal.
     let t = match unsafe { ManagedTensor::from_raw_versioned(tensor) } {
         // Whoever produced it, its deleter may take the GIL.
-        Ok(t) => super::release::gate_deleter(t),
+        Ok(t) => crate::python::runtime::gate_deleter(t),
         Err(e) => {
-            super::fastcall::raise(PyErr::from(e));
+            crate::python::runtime::fastcall::raise(PyErr::from(e));
             return -1;
         }
     };
@@ -957,11 +957,13 @@ unsafe extern "C" fn to_py_object_no_sync(
             0
         }
         Ok(_) => {
-            super::fastcall::raise(PyBufferError::new_err("exchange API: out_py_object is NULL"));
+            crate::python::runtime::fastcall::raise(PyBufferError::new_err(
+                "exchange API: out_py_object is NULL",
+            ));
             -1
         }
         Err(e) => {
-            super::fastcall::raise(e);
+            crate::python::runtime::fastcall::raise(e);
             -1
         }
     }
@@ -973,11 +975,11 @@ unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out
     // SAFETY: as above.
     let Some(t) = (unsafe { tensor_of(py, py_object) }) else { return -1 };
     if out.is_null() {
-        super::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err("exchange API: out is NULL"));
         return -1;
     }
     if let Some(e) = t.get().unsynchronised_export_refusal() {
-        super::fastcall::raise(e);
+        crate::python::runtime::fastcall::raise(e);
         return -1;
     }
     let inner: &Arc<ManagedTensor> = t.get().shared();
@@ -991,7 +993,7 @@ unsafe extern "C" fn dltensor_from_py_object_no_sync(py_object: *mut c_void, out
         None
     };
     if let Some(what) = flagged {
-        super::fastcall::raise(PyBufferError::new_err(format!(
+        crate::python::runtime::fastcall::raise(PyBufferError::new_err(format!(
             "dltensor_from_py_object_no_sync: the tensor is {what}, which a borrowed DLTensor \
              cannot say; use managed_tensor_from_py_object_no_sync"
         )));

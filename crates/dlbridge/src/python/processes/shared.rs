@@ -57,9 +57,6 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyTuple};
 
-use super::Tensor;
-use super::protocols::asdlpack_with;
-use super::types::PyDType;
 use crate::cuda::{Driver, IPC_HANDLE_SIZE};
 use crate::device::DeviceType;
 use crate::dtype::{DataType, TypeCode};
@@ -67,6 +64,9 @@ use crate::export::{AlignedBuffer, HostBuffer};
 use crate::flags::Flags;
 use crate::layout;
 use crate::managed::ManagedTensor;
+use crate::python::Tensor;
+use crate::python::import::asdlpack_with;
+use crate::python::runtime::PyDType;
 use crate::shm::{Handle, Pin, Segment, SegmentId};
 
 /// The first item of a shared tensor's handle tuple, and its version.
@@ -197,7 +197,7 @@ fn compact_bytes(dtype: DataType, shape: &[i64], padded: bool) -> PyResult<usize
 #[pyfunction]
 fn shared_empty(shape: &Bound<'_, PyAny>, dtype: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let py = shape.py();
-    super::enter(py);
+    crate::python::runtime::enter(py);
     let dtype = dtype_arg(dtype)?;
     dtype.validate()?;
     let shape = shape_arg(shape)?;
@@ -576,7 +576,7 @@ fn meta(
 #[pyfunction]
 fn _rebuild_shared(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let py = handle.py();
-    super::enter(py);
+    crate::python::runtime::enter(py);
     let (h, who, pid) = handle_header(handle, HANDLE_TAG, HANDLE_VERSION, 9)?;
     let fd: i32 = field(&who, 3, "handle.fd")?;
     let (dev, ino): (u64, u64) = (field(&who, 4, "handle.dev")?, field(&who, 5, "handle.inode")?);
@@ -812,7 +812,7 @@ fn exported_tensor(
 #[pyfunction]
 fn _rebuild_cuda(handle: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let py = handle.py();
-    super::enter(py);
+    crate::python::runtime::enter(py);
     let (h, who, pid) = handle_header(handle, CUDA_TAG, CUDA_VERSION, 5)?;
     let device: i32 = field(&who, 3, "handle.device")?;
     if device < 0 {

@@ -4,7 +4,7 @@
 //! mismatch is a `TypeError` that PyO3 prefixes with the argument's name:
 //! `expected float32 2-d C-contiguous cpu tensor, got float64 (3, 4) strides (1, 3) on cpu`, which
 //! PyO3 tags with the note `while processing 'x'` (Python 3.11 and later); Rust code that converts
-//! by hand ([`TensorView::typed`]) gets [`crate::Error::Mismatch`] (and [`super::argument_error`]
+//! by hand ([`TensorView::typed`]) gets [`crate::Error::Mismatch`] (and [`crate::python::argument_error`]
 //! words it the same way).
 //!
 //! ```no_run
@@ -59,7 +59,7 @@ use std::marker::PhantomData;
 
 use pyo3::prelude::*;
 
-use super::view::TensorView;
+use super::view::{TensorView, bump_version_in_aten, bump_version_in_python};
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
 use crate::spec::{AnyOrder, AnyShape, Compact, Cpu, DeviceSpec, OrderSpec, ShapeSpec, SpecOf};
@@ -193,8 +193,8 @@ macro_rules! common {
                 self.view.object(py)
             }
 
-            /// The caller's framework: return results as it ([`super::Framework`]).
-            pub fn framework(&self, py: Python<'_>) -> PyResult<super::Framework> {
+            /// The caller's framework: return results as it ([`crate::python::Framework`]).
+            pub fn framework(&self, py: Python<'_>) -> PyResult<crate::python::Framework> {
                 self.view.framework(py)
             }
 
@@ -205,8 +205,8 @@ macro_rules! common {
             }
 
             /// A new tensor of `U` with this one's shape and device, in the caller's framework
-            /// ([`super::Framework::empty`]): fill it and return it.
-            pub fn empty_like<U: Element>(&self, py: Python<'_>) -> PyResult<super::Output<U>> {
+            /// ([`crate::python::Framework::empty`]): fill it and return it.
+            pub fn empty_like<U: Element>(&self, py: Python<'_>) -> PyResult<crate::python::Output<U>> {
                 self.framework(py)?.empty_like::<U>(py, self.untyped())
             }
         }
@@ -291,7 +291,7 @@ fn extract_checked<'a>(
 /// bumps nothing, and is dropped: the Python of the bump could free what it describes).
 #[inline(never)]
 fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec) -> PyResult<TensorView<'a>> {
-    let torch = super::cache::type_info(&obj.get_type())?.torch;
+    let torch = crate::python::import::type_info(&obj.get_type())?.torch;
     if let Some(state) = torch {
         // A tensor autograd would lose track of, then what torch refuses of an in-place write, are
         // refused here, at conversion (the argument named).
@@ -309,42 +309,52 @@ fn extract_for_write<'a>(obj: Borrowed<'a, '_, PyAny>, spec: &crate::spec::Spec)
     unsafe { TensorView::borrow_checked(&obj, spec) }
 }
 
-/// Bumps a torch tensor's version counter (after `TorchState::refuse_write`), as torch's own
-/// in-place operations do, so autograd refuses a backward pass through a value a kernel overwrote
-/// ("modified by an inplace operation") instead of computing wrong gradients: through ATen's
-/// `bump_version` where verified (exactly `torch.Tensor`, [`super::torch_bits`]; a tensor without
-/// a counter has nothing to bump), else `torch._C._increment_version` (~180 ns here), which runs
-/// Python: call it before taking a view that is used afterwards.
-pub(crate) fn bump_version(obj: &Bound<'_, PyAny>) -> PyResult<()> {
-    if bump_version_in_aten(obj) { Ok(()) } else { bump_version_in_python(obj) }
-}
-
-/// The version bump through ATen, running no Python: whether it was decided here (bumped, or no
-/// counter to bump). Never starts the one-time search of ATen's functions (which runs Python):
-/// the write rules read before it did.
-#[inline]
-fn bump_version_in_aten(obj: &Bound<'_, PyAny>) -> bool {
-    matches!(
-        super::torch_bits::aten_bits_found(obj.py()).map(|b| b.bump_version(obj)),
-        Some(super::torch_bits::Bump::Done | super::torch_bits::Bump::NoCounter)
-    )
-}
-
-/// The version bump through `torch._C._increment_version`: Python, which may replace the storage.
-#[cold]
-fn bump_version_in_python(obj: &Bound<'_, PyAny>) -> PyResult<()> {
-    let py = obj.py();
-    static BUMP: pyo3::sync::PyOnceLock<Option<Py<PyAny>>> = pyo3::sync::PyOnceLock::new();
-    let bump = BUMP.get_or_init(py, || {
-        py.import("torch")
-            .and_then(|t| t.getattr("_C")?.getattr("_increment_version"))
-            .ok()
-            .map(Bound::unbind)
-    });
-    if let Some(f) = bump {
-        f.bind(py).call1((pyo3::types::PyTuple::new(py, [obj.as_any()])?,))?;
+/// The typed forms of a view (see [`TensorRef`] and [`TensorMut`]); the view itself is in
+/// `view.rs`, which knows nothing of them.
+impl<'a> TensorView<'a> {
+    /// This view with its requirements stated as types, checked once ([`crate::spec`]): a
+    /// [`crate::python::TensorRef`], or [`crate::Error::Mismatch`] (a `TypeError` in Python) naming the
+    /// first field that failed. For kernels that dispatch on the dtype at run time:
+    ///
+    /// ```no_run
+    /// use dlbridge::python::TensorView;
+    /// use dlbridge::spec::{C, Cpu, Rank};
+    /// use dlbridge::DataType;
+    /// use pyo3::prelude::*;
+    /// #[pyfunction]
+    /// fn total(x: TensorView<'_>) -> PyResult<f64> {
+    ///     Ok(match x.dtype() {
+    ///         DataType::FLOAT32 => x.typed::<f32, Rank<1>, C, Cpu>()?.as_slice()?.iter().map(|&v| v as f64).sum(),
+    ///         _ => x.typed::<f64, Rank<1>, C, Cpu>()?.as_slice()?.iter().sum(),
+    ///     })
+    /// }
+    /// ```
+    pub fn typed<
+        T: crate::Element,
+        S: crate::spec::ShapeSpec,
+        O: crate::spec::OrderSpec,
+        D: crate::spec::DeviceSpec,
+    >(
+        self,
+    ) -> crate::Result<TensorRef<'a, T, S, O, D>> {
+        TensorRef::new(self)
     }
-    Ok(())
+
+    /// [`TensorView::typed`] for writing: the tensor must also be writable (not read-only, no
+    /// overlapping elements).
+    pub fn typed_mut<
+        T: crate::Element,
+        S: crate::spec::ShapeSpec,
+        O: crate::spec::OrderSpec,
+        D: crate::spec::DeviceSpec,
+    >(
+        self,
+    ) -> crate::Result<TensorMut<'a, T, S, O, D>> {
+        // The stated requirements first: a mismatch bumps nothing.
+        self.check(&TensorMut::<'a, T, S, O, D>::SPEC)?;
+        self.prepare_producer_write()?;
+        TensorMut::new(self)
+    }
 }
 
 /// Device requirements under which the memory is host-accessible (typed slices and views).

@@ -1,4 +1,5 @@
-//! `dlbridge.Tensor`: the reusable, spec-complete DLPack producer that Rust code returns to Python.
+//! `dlbridge.Tensor`'s Python methods: the reusable, spec-complete DLPack producer that Rust code
+//! returns to Python (the class and its constructors are in `runtime/types.rs`).
 //!
 //! A Tensor shares one `Arc<ManagedTensor>`; every `__dlpack__` call makes a new small struct that
 //! holds another reference, so capsules are independent (an unconsumed one frees only its own
@@ -10,72 +11,14 @@ use std::sync::Arc;
 use pyo3::exceptions::{PyAttributeError, PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyTuple};
 
-use super::capsule::{legacy_capsule, versioned_capsule};
-use super::fastcall::{self, StaticDef};
-use super::types::{PyDType, PyDevice, dlpack_device_tuple};
 use crate::device::{Device, DeviceType};
 use crate::dtype::DataType;
 use crate::flags::Flags;
-use crate::managed::ManagedTensor;
-
-/// A DLPack tensor owned by dlbridge: any DLPack consumer (numpy, torch, jax, ...) accepts it,
-/// as often as asked.
-// The Python package's own module is `dlbridge`; a downstream extension's copy of the class is
-// another class (not `dlbridge.Tensor`, which `isinstance` would deny), and says so.
-#[cfg_attr(feature = "dlbridge-module", pyclass(module = "dlbridge", name = "Tensor", frozen))]
-#[cfg_attr(not(feature = "dlbridge-module"), pyclass(module = "dlbridge.embedded", name = "Tensor", frozen))]
-pub struct Tensor {
-    inner: Arc<ManagedTensor>,
-    /// `__dlpack_device__`'s tuple, made on first call.
-    device_tuple: PyOnceLock<Py<PyTuple>>,
-    /// The CUDA stream the producer's work is queued on (`__cuda_array_interface__` v3): consumers
-    /// asking for a stream are made to wait on it.
-    producer_stream: Option<usize>,
-}
-
-impl Tensor {
-    /// Wraps a tensor.
-    pub fn new(t: ManagedTensor) -> Self {
-        Self { inner: Arc::new(t), device_tuple: PyOnceLock::new(), producer_stream: None }
-    }
-
-    /// Wraps a tensor whose producer queues work on CUDA stream `stream`.
-    pub fn with_producer_stream(t: ManagedTensor, stream: Option<usize>) -> Self {
-        Self { inner: Arc::new(t), device_tuple: PyOnceLock::new(), producer_stream: stream }
-    }
-
-    /// Why the exchange table's unsynchronised exports must refuse this tensor, if they must: one
-    /// whose producer queues work on a CUDA stream (`__cuda_array_interface__` v3) needs the
-    /// stream handshake that only `__dlpack__(stream=...)` makes (the table's consumer would read
-    /// before the producer's work is done).
-    pub(crate) fn unsynchronised_export_refusal(&self) -> Option<PyErr> {
-        self.producer_stream.map(|s| {
-            PyBufferError::new_err(format!(
-                "exchange API: the tensor's producer queues work on CUDA stream {s:#x}; a no-sync \
-                 export cannot wait for it, so use __dlpack__(stream=...)"
-            ))
-        })
-    }
-
-    /// The shared tensor.
-    pub fn shared(&self) -> &Arc<ManagedTensor> {
-        &self.inner
-    }
-}
-
-impl<'py> IntoPyObject<'py> for ManagedTensor {
-    type Target = Tensor;
-    type Output = Bound<'py, Tensor>;
-    type Error = PyErr;
-
-    /// A `dlbridge.Tensor` owning this tensor, so a `#[pyfunction]` can return a `ManagedTensor`.
-    fn into_pyobject(self, py: Python<'py>) -> PyResult<Bound<'py, Tensor>> {
-        Bound::new(py, Tensor::new(self))
-    }
-}
+use crate::python::runtime::fastcall::{self, StaticDef};
+use crate::python::runtime::{PyDType, PyDevice, Tensor, dlpack_device_tuple};
+use crate::python::runtime::{legacy_capsule, versioned_capsule};
 
 /// The Python buffer-protocol format of a dtype, where it has one.
 fn buffer_format(t: DataType) -> Option<&'static CStr> {
@@ -159,7 +102,7 @@ unsafe extern "C" fn dlpack_fastcall(
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls a method with the GIL held.
     let py = unsafe { Python::assume_attached() };
-    super::release::drain_queued(py);
+    crate::python::runtime::drain_queued(py);
     fastcall::run(py, || {
         let names = [
             pyo3::intern!(py, "stream"),
@@ -295,7 +238,7 @@ impl Tensor {
     /// take dlbridge tensors without calling into Python.
     #[classattr]
     fn __dlpack_c_exchange_api__(py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(super::exchange::tensor_exchange_capsule(py)?.unbind())
+        Ok(crate::python::import::tensor_exchange_capsule(py)?.unbind())
     }
 
     /// Exports a DLPack capsule, per the array API standard: a versioned (1.3) capsule when
@@ -315,7 +258,7 @@ impl Tensor {
     /// `python/shared.rs`.
     #[cfg(target_os = "linux")]
     fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
-        super::shared::reduce_ex(slf, protocol)
+        crate::python::processes::reduce_ex(slf, protocol)
     }
 
     /// `copy.deepcopy`: new memory (a shared tensor's copy is a new shared tensor; a tensor in
@@ -323,7 +266,7 @@ impl Tensor {
     #[cfg(target_os = "linux")]
     fn __deepcopy__<'py>(slf: &Bound<'py, Self>, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let _ = memo; // nothing inside a Tensor is a Python object to memoise
-        super::shared::deepcopy(slf)
+        crate::python::processes::deepcopy(slf)
     }
 
     /// `(DeviceType, id)`.

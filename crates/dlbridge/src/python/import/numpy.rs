@@ -15,7 +15,9 @@ use std::sync::OnceLock;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use crate::device::Device;
 use crate::dtype::DataType;
+use crate::managed::ManagedTensor;
 
 #[repr(C)]
 struct ArrayFields {
@@ -126,7 +128,7 @@ unsafe fn read<'a>(obj: &'a Bound<'_, PyAny>) -> Option<NumpyParts<'a>> {
 fn agrees_with_buffer(obj: &Bound<'_, PyAny>) -> Option<bool> {
     // SAFETY: only called for an object whose type is named numpy.ndarray.
     let p = unsafe { read(obj) }?;
-    let held = match super::release::HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO) {
+    let held = match crate::python::runtime::HeldBuffer::get(obj, ffi::PyBUF_RECORDS_RO) {
         Ok(h) => h,
         Err(_) => return None,
     };
@@ -338,7 +340,7 @@ pub fn can_adopt(py: Python<'_>) -> bool {
 }
 
 /// A `numpy.ndarray` over `t`'s memory, made through numpy's C API without a copy: the array's
-/// `base` is a private capsule ([`super::capsule::OWNER`]) that owns `t`, so the producer's
+/// `base` is a private capsule (`capsule.rs`'s `OWNER`) that owns `t`, so the producer's
 /// deleter runs when numpy frees the array and no DLPack consumer can take the tensor out from
 /// under it. `Err(t)` when numpy cannot hold it this way (not plain CPU memory, a
 /// dtype numpy has no number for, the C API unavailable): take `numpy.from_dlpack` instead.
@@ -379,7 +381,7 @@ pub fn adopt<'py>(
     let strides_ptr = if own { std::ptr::null() } else { strides.as_ptr() };
     let (nd, data) = (t.ndim() as c_int, t.data_ptr());
     let flags = if t.is_read_only() { 0 } else { NPY_ARRAY_WRITEABLE };
-    let base = match super::capsule::owner_capsule(py, t) {
+    let base = match crate::python::runtime::owner_capsule(py, t) {
         Ok(b) => b,
         Err(e) => return Ok(Err(e)),
     };
@@ -412,4 +414,30 @@ pub fn adopt<'py>(
         }
         Ok(Ok(arr))
     }
+}
+
+/// A numpy array read through its struct (see the module docs), owning a reference to it; `None`
+/// when the layout needs numpy's own refusal (a stride that is not a multiple of the item size).
+#[inline]
+pub(super) fn from_numpy(obj: &Bound<'_, PyAny>, p: NumpyParts<'_>) -> PyResult<Option<ManagedTensor>> {
+    // Inline for up to 8 dimensions (no allocation), as every view and export keeps its dims.
+    let mut dims = crate::dims::Dims::new();
+    if !fill_dims(&p, &mut dims) {
+        return Ok(None);
+    }
+    let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);
+    // SAFETY: numpy's own description of the array's memory, which the owner keeps alive.
+    let t = unsafe {
+        ManagedTensor::from_raw_parts(
+            p.data,
+            Device::CPU,
+            p.dtype,
+            dims.shape(),
+            Some(dims.strides()),
+            0,
+            flags,
+            crate::python::runtime::PyOwner::new(obj),
+        )
+    }?;
+    Ok(Some(t))
 }

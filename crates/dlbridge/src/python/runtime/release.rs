@@ -213,7 +213,7 @@ unsafe impl Sync for HeldBuffer {}
 impl HeldBuffer {
     /// `PyObject_GetBuffer(obj, flags)` into a new heap view; the exporter's error on failure.
     pub(crate) fn get(obj: &Bound<'_, PyAny>, flags: c_int) -> PyResult<Self> {
-        super::join_process(obj.py());
+        join_process(obj.py());
         let view = Box::into_raw(Box::new(MaybeUninit::<ffi::Py_buffer>::zeroed())).cast::<ffi::Py_buffer>();
         // SAFETY: a zeroed view for the exporter to fill, at its final address.
         if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), view, flags) } != 0 {
@@ -235,5 +235,65 @@ impl HeldBuffer {
 impl Drop for HeldBuffer {
     fn drop(&mut self) {
         release_or_queue(Pending::Buffer(self.0));
+    }
+}
+
+/// Keeps a Python object alive for as long as a tensor uses its memory. Dropped with the GIL it
+/// releases the reference at once; dropped without (a consumer's worker thread) it never waits for
+/// the GIL, which could deadlock, but queues the release (see `release.rs`); after finalization
+/// it leaks the reference rather than touch a dead interpreter.
+pub struct PyOwner(NonNull<ffi::PyObject>);
+
+// SAFETY: the reference is only released with the GIL held (queued otherwise); nothing else
+// dereferences it.
+unsafe impl Send for PyOwner {}
+// SAFETY: shared access does nothing with the pointer.
+unsafe impl Sync for PyOwner {}
+
+impl PyOwner {
+    /// Owns a reference to `obj`.
+    pub fn new(obj: &Bound<'_, PyAny>) -> Self {
+        // Registers the atexit hook that keeps a late release off a finalizing interpreter.
+        join_process(obj.py());
+        // SAFETY: a live object's pointer, never NULL.
+        Self(unsafe { NonNull::new_unchecked(obj.clone().into_ptr()) })
+    }
+}
+
+impl Drop for PyOwner {
+    fn drop(&mut self) {
+        // SAFETY: the strong reference `new` took, given up once.
+        unsafe { release_object(self.0) }
+    }
+}
+
+/// Whether this copy of the crate has joined the process: registered the `atexit` hook that stops
+/// deferred releases before the interpreter is torn down. (The borrow registry needs no joining:
+/// every copy finds the process's through `crate::process_wide`.)
+static JOINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Joins the process (see [`JOINED`]) once: every entry point from Python calls it (one relaxed load
+/// after the first time), so a downstream extension that never calls [`crate::python::init_module`] joins too.
+#[inline]
+pub(crate) fn join_process(py: Python<'_>) {
+    if !JOINED.load(std::sync::atomic::Ordering::Relaxed) {
+        join(py);
+    }
+}
+
+/// What every import entry point does first, with the GIL: release what drops on threads without
+/// the GIL queued, and join the process (both one relaxed load when there is nothing to do).
+#[inline]
+pub(crate) fn enter(py: Python<'_>) {
+    drain_queued(py);
+    join_process(py);
+}
+
+#[cold]
+fn join(py: Python<'_>) {
+    // Under the GIL, so two threads of this module never race here; not joined until the hook is
+    // registered (then the caller tries again at its next entry).
+    if register_atexit(py) {
+        JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }

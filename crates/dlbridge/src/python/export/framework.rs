@@ -36,36 +36,11 @@ use std::ptr::NonNull;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-use super::exchange::ExchangeApi;
-use super::tensor::Tensor;
 use crate::device::Device;
 use crate::dtype::Element;
 use crate::managed::ManagedTensor;
-
-/// A framework that results can be returned as (see the module docs): found from an input
-/// ([`Framework::of`]) or named ([`Framework::numpy`], [`Framework::torch`],
-/// [`Framework::dlbridge`]). Cheap to copy.
-#[derive(Clone, Copy)]
-pub struct Framework {
-    kind: Kind,
-}
-
-#[derive(Clone, Copy)]
-enum Kind {
-    Dlbridge,
-    Numpy,
-    Table(ExchangeApi),
-    Function(&'static Importer),
-}
-
-/// A framework's own `from_dlpack`, found once per type.
-struct Importer {
-    func: Py<PyAny>,
-    /// Whether it takes a DLPack capsule rather than an object with `__dlpack__` (tensorflow).
-    capsule: bool,
-    /// Where it was found (`"jax.dlpack.from_dlpack"`), for `repr` and errors.
-    name: String,
-}
+use crate::python::import::{Framework, Importer, Kind};
+use crate::python::runtime::Tensor;
 
 impl std::fmt::Debug for Framework {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -85,7 +60,7 @@ impl Framework {
 
     /// The framework of instances of `ty`.
     pub fn of_type(ty: &Bound<'_, PyType>) -> PyResult<Self> {
-        super::cache::framework(ty, find)
+        crate::python::import::framework(ty, find)
     }
 
     /// `dlbridge.Tensor` (this module's class).
@@ -125,7 +100,7 @@ impl Framework {
         match self.kind {
             Kind::Dlbridge => Ok(Bound::new(py, Tensor::new(t))?.into_any()),
             Kind::Table(api) => api.to_py_object(py, t),
-            Kind::Numpy => match super::numpy::adopt(py, t) {
+            Kind::Numpy => match crate::python::import::adopt(py, t) {
                 Ok(made) => made,
                 Err(t) => numpy_from_dlpack(py, t),
             },
@@ -268,11 +243,11 @@ impl Importer {
 /// Finds the framework of `ty` (a cache miss).
 fn find(ty: &Bound<'_, PyType>) -> PyResult<Framework> {
     let py = ty.py();
-    let info = super::cache::type_info(ty)?;
+    let info = crate::python::import::type_info(ty)?;
     if let Some(api) = info.exchange {
         return Ok(Framework { kind: Kind::Table(api) });
     }
-    if info.numpy && super::numpy::can_adopt(py) {
+    if info.numpy && crate::python::import::can_adopt(py) {
         return Ok(Framework { kind: Kind::Numpy });
     }
     let module: String = ty.getattr(pyo3::intern!(py, "__module__"))?.extract().unwrap_or_default();

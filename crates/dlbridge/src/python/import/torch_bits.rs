@@ -822,7 +822,7 @@ fn keep_spare(b: Box<Held>) {
 
 impl Drop for Kept {
     fn drop(&mut self) {
-        if super::release::attached_here() {
+        if crate::python::runtime::attached_here() {
             // SAFETY: this hold counted once; given back once.
             unsafe { drop_holder(self.0.as_ptr()) };
         }

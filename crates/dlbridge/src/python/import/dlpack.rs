@@ -1,7 +1,5 @@
-//! From a Python object to a [`ManagedTensor`]: protocol choice and DLPack negotiation.
-//!
-//! Order: a `dlbridge.Tensor` (shared, no Python call), a bare capsule of either name, then any
-//! object with `__dlpack__`. The producer is asked for `max_version=(1, 3)` with `stream`,
+//! DLPack negotiation: the `__dlpack__` method's path of an import (the order of the paths is
+//! [`super::dispatch`]'s). The producer is asked for `max_version=(1, 3)` with `stream`,
 //! `dl_device` and `copy` forwarded when given; only a producer that rejects those keywords (a
 //! `TypeError` about keyword arguments) is called again the legacy way, and then dlbridge itself
 //! does what the producer could not (copy host memory; check the device).
@@ -10,15 +8,13 @@ use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyTuple, PyType};
 
-use super::cache;
-use super::capsule::{consume, is_capsule};
-use super::tensor::Tensor;
-use super::types::extract_device;
+use super::cache::{self, TypeInfo};
 use crate::device::{Device, DeviceType};
-use crate::flags::Flags;
 use crate::managed::ManagedTensor;
+use crate::python::runtime::consume;
+use crate::python::runtime::extract_device;
 
 /// How to import: the keyword arguments of `dlbridge.from_dlpack`.
 #[derive(Default, Clone)]
@@ -105,53 +101,16 @@ fn producer_device(obj: &Bound<'_, PyAny>) -> PyResult<Option<Device>> {
     Ok(Some(Device::new(DeviceType(t), id)))
 }
 
-/// Imports any DLPack producer (or bare capsule) with the given options.
-pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyResult<ManagedTensor> {
+/// The `__dlpack__` method's path of [`from_dlpack_with`](super::from_dlpack_with): the device
+/// announced, the call with the options (or the legacy call), the capsule consumed and checked.
+/// Returns the tensor and whether a copy asked for is still dlbridge's to make.
+pub(super) fn from_method<'py>(
+    obj: &Bound<'py, PyAny>,
+    opts: &ImportOptions<'py>,
+    ty: &Bound<'py, PyType>,
+    info: TypeInfo,
+) -> PyResult<(ManagedTensor, bool)> {
     let py = obj.py();
-    super::enter(py);
-    let plain =
-        opts.stream.is_none() && opts.copy != Some(true) && opts.device.is_none_or(|d| d == Device::CPU);
-    if plain {
-        if let Some(p) = super::numpy::parts_exact(obj) {
-            if let Some(t) = from_numpy(obj, p)? {
-                return finish(t, opts, false);
-            }
-        }
-    }
-    if let Ok(t) = obj.cast_exact::<Tensor>() {
-        let shared = t.get().shared();
-        // SAFETY: a fresh struct sharing the Tensor's data, owned here.
-        let mt = unsafe { ManagedTensor::from_raw_versioned(shared.export_versioned().as_ptr()) }?;
-        return finish(mt, opts, true);
-    }
-    if is_capsule(obj) {
-        let mt = consume(obj, &|| "from_dlpack".to_owned())?;
-        return finish(mt, opts, true);
-    }
-    let ty = obj.get_type();
-    let info = cache::type_info(&ty)?;
-    if plain && info.numpy {
-        if let Some(t) = super::numpy::parts(obj).map(|p| from_numpy(obj, p)).transpose()?.flatten() {
-            return finish(t, opts, false);
-        }
-    }
-    // The C exchange API: no Python call at all. Its export does not synchronise streams, which the
-    // standard allows only where there is nothing to synchronise: host memory, no stream asked.
-    if let Some(api) = info.exchange {
-        if plain {
-            // A failure of the table function itself falls through to the producer's __dlpack__,
-            // whose refusal is the producer's documented one (a BufferError for torch).
-            if let Ok(mt) = api.managed_tensor_or_table_error(obj)? {
-                if mt.device() == Device::CPU {
-                    return finish(mt, opts, false);
-                }
-                // Device memory: take the protocol path, which handles streams.
-            }
-        }
-    }
-    if !info.dlpack && !obj.hasattr(intern!(py, "__dlpack__"))? {
-        return Err(super::protocols::not_an_array(obj, "__dlpack__ or a DLPack capsule"));
-    }
     // Asked first, as the standard says (it is how a consumer picks a stream), and checked against
     // the capsule below. The hot producers (numpy, torch) never reach this path.
     let announced = producer_device(obj)?;
@@ -185,7 +144,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
         match call_dlpack(obj, call_opts) {
             Ok(c) => (c, false),
             Err(e) if rejects_keywords(py, &e) => {
-                cache::mark_legacy(&ty);
+                cache::mark_legacy(ty);
                 (call_legacy(obj, call_opts).map_err(legacy)?, true)
             }
             // A producer that cannot copy (tensorflow raises RuntimeError): dlbridge copies, from
@@ -212,32 +171,7 @@ pub fn from_dlpack_with<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>)
             )));
         }
     }
-    finish(mt, opts, self_copy)
-}
-
-/// A numpy array read through its struct (see [`super::numpy`]), owning a reference to it; `None`
-/// when the layout needs numpy's own refusal (a stride that is not a multiple of the item size).
-fn from_numpy(obj: &Bound<'_, PyAny>, p: super::numpy::NumpyParts<'_>) -> PyResult<Option<ManagedTensor>> {
-    // Inline for up to 8 dimensions (no allocation), as every view and export keeps its dims.
-    let mut dims = crate::dims::Dims::new();
-    if !super::numpy::fill_dims(&p, &mut dims) {
-        return Ok(None);
-    }
-    let flags = crate::flags::Flags::NONE.with(crate::flags::Flags::READ_ONLY, p.readonly);
-    // SAFETY: numpy's own description of the array's memory, which the owner keeps alive.
-    let t = unsafe {
-        ManagedTensor::from_raw_parts(
-            p.data,
-            Device::CPU,
-            p.dtype,
-            dims.shape(),
-            Some(dims.strides()),
-            0,
-            flags,
-            super::PyOwner::new(obj),
-        )
-    }?;
-    Ok(Some(t))
+    Ok((mt, self_copy))
 }
 
 /// Interned keyword names, made once: `("max_version",)` for the common call.
@@ -304,28 +238,6 @@ fn call_legacy<'py>(obj: &Bound<'py, PyAny>, opts: &ImportOptions<'py>) -> PyRes
     }
 }
 
-/// Applies what the producer could not: read-only for legacy tensors, the device check, and a
-/// copy when `copy=True` was asked of a producer that did not take the keyword (`self_copy`) or
-/// that returned read-only memory (jax's copy comes as a legacy capsule): a copy the caller asked
-/// for is writable, always.
-#[inline]
-fn finish(mt: ManagedTensor, opts: &ImportOptions<'_>, self_copy: bool) -> PyResult<ManagedTensor> {
-    let mut mt = if !mt.is_versioned() && !opts.legacy_writable { mt.into_read_only() } else { mt };
-    if let Some(want) = opts.device {
-        let got = mt.device();
-        let alias = want == Device::CPU && got.is_host_accessible();
-        if got != want && !alias {
-            return Err(PyBufferError::new_err(format!(
-                "device: asked for {want}, but the tensor is on {got} and dlbridge does not move data between devices"
-            )));
-        }
-    }
-    if opts.copy == Some(true) && (self_copy || mt.is_read_only()) {
-        mt = mt.to_contiguous()?.with_flags(Flags::IS_COPIED);
-    }
-    Ok(mt)
-}
-
 /// `from_dlpack`'s keyword arguments, read from Python values.
 pub fn options<'py>(
     device: Option<&Bound<'py, PyAny>>,
@@ -334,14 +246,4 @@ pub fn options<'py>(
     legacy_writable: bool,
 ) -> PyResult<ImportOptions<'py>> {
     Ok(ImportOptions { device: device.map(extract_device).transpose()?, copy, stream, legacy_writable })
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for ManagedTensor {
-    type Error = PyErr;
-
-    /// Imports any DLPack producer with default options, so `#[pyfunction] fn f(t: ManagedTensor)`
-    /// takes numpy arrays, torch tensors, jax arrays, capsules and `dlbridge.Tensor`s.
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        from_dlpack_with(&obj.to_owned(), &ImportOptions::default())
-    }
 }

@@ -1,0 +1,10 @@
+//! The kernel author's kit: borrowed views (`view.rs`), typed arguments (`typed.rs`), and one kernel
+//! in every mode (`kernel.rs`). Knows the runtime, import and export.
+
+mod kernel;
+mod typed;
+mod view;
+
+pub use kernel::{KernelDef, add_kernel, xla_capsule};
+pub use typed::{HostSpec, TensorMut, TensorRef};
+pub use view::TensorView;
