@@ -311,6 +311,8 @@ class Crate:
                 rel = path[1:]
                 head = rel[0]
                 if self.is_mod(cur + (head,)):
+                    if len(rel) == 1:
+                        continue  # a bare word named like a child module (a field, a binding)
                     absolute = cur + rel
                 else:
                     scope = cur

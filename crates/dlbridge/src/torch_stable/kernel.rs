@@ -5,125 +5,9 @@ use std::ffi::{CString, c_char};
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use super::signature::{ArgKind, OpSignature};
 use super::sys::{AtenTensorHandle, StableIValue, StringHandle};
 use super::{EXTENSION_ABI_VERSION, Error, Result, Tensor, Torch};
-
-/// The type of an op's argument or result, as the schema says it and the stack encodes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ArgKind {
-    /// `Tensor`: an owning handle.
-    Tensor,
-    /// `Tensor(a!)`: a tensor the op writes in place (the schema marks it, so torch's
-    /// functionalization and version counters see the write). Arguments only.
-    TensorMut,
-    /// `int`: 64 bits.
-    Int,
-    /// `float`: an f64.
-    Float,
-    /// `bool`.
-    Bool,
-    /// `str`: a `std::string` handle (torch 2.10+). Arguments only.
-    Str,
-}
-
-impl ArgKind {
-    fn schema_type(self) -> &'static str {
-        match self {
-            Self::Tensor | Self::TensorMut => "Tensor",
-            Self::Int => "int",
-            Self::Float => "float",
-            Self::Bool => "bool",
-            Self::Str => "str",
-        }
-    }
-}
-
-/// An op's name, arguments and results: its schema ([`OpSignature::schema`]), and what
-/// [`run_boxed`] decodes the stack with, so the two agree by construction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OpSignature {
-    name: &'static str,
-    args: &'static [(&'static str, ArgKind)],
-    rets: &'static [ArgKind],
-}
-
-impl OpSignature {
-    /// Op `name` taking `args` (name, kind) and returning `rets`.
-    pub const fn new(
-        name: &'static str,
-        args: &'static [(&'static str, ArgKind)],
-        rets: &'static [ArgKind],
-    ) -> Self {
-        Self { name, args, rets }
-    }
-
-    /// An op signature made at run time (e.g. from a kernel's declaration when a module
-    /// initialises): the name and argument names are leaked, once per op, for the process (as
-    /// the op they define lives that long).
-    pub fn leak(name: &str, args: &[(&str, ArgKind)], rets: &[ArgKind]) -> Self {
-        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
-        let args: Vec<(&'static str, ArgKind)> = args.iter().map(|&(n, k)| (leak(n), k)).collect();
-        Self {
-            name: leak(name),
-            args: Box::leak(args.into_boxed_slice()),
-            rets: Box::leak(rets.to_vec().into_boxed_slice()),
-        }
-    }
-
-    /// The op's name (without namespace).
-    pub const fn name(&self) -> &'static str {
-        self.name
-    }
-
-    /// The arguments.
-    pub const fn args(&self) -> &'static [(&'static str, ArgKind)] {
-        self.args
-    }
-
-    /// The results.
-    pub const fn rets(&self) -> &'static [ArgKind] {
-        self.rets
-    }
-
-    /// The schema string torch parses: `name(Tensor x, Tensor(a!) y, float a) -> Tensor`
-    /// (mutated tensors get alias sets `a`, `b`, ... in order; no results is `-> ()`, several a
-    /// tuple). [`Error::Invalid`] for a result of kind `TensorMut` or `Str`, more than 26 mutated
-    /// tensors, or a name that is not an identifier.
-    pub fn schema(&self) -> Result<String> {
-        let ident = |what: &str, s: &str| {
-            let ok = s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-                && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-            if ok { Ok(()) } else { Err(Error::Invalid(format!("{what}: {s:?} is not an identifier"))) }
-        };
-        ident("op name", self.name)?;
-        let mut alias = b'a';
-        let mut args = Vec::with_capacity(self.args.len());
-        for &(name, kind) in self.args {
-            ident("argument name", name)?;
-            if kind == ArgKind::TensorMut {
-                if alias > b'z' {
-                    return Err(Error::Invalid(format!("{}: more than 26 mutated tensors", self.name)));
-                }
-                args.push(format!("Tensor({}!) {name}", alias as char));
-                alias += 1;
-            } else {
-                args.push(format!("{} {name}", kind.schema_type()));
-            }
-        }
-        if let Some(k) = self.rets.iter().find(|k| matches!(k, ArgKind::TensorMut | ArgKind::Str)) {
-            return Err(Error::Invalid(format!(
-                "{}: a result of kind {k:?} (Tensor, int, float, bool only)",
-                self.name
-            )));
-        }
-        let rets: Vec<&str> = self.rets.iter().map(|k| k.schema_type()).collect();
-        let rets = match rets.len() {
-            1 => rets[0].to_owned(),
-            _ => format!("({})", rets.join(", ")),
-        };
-        Ok(format!("{}({}) -> {rets}", self.name, args.join(", ")))
-    }
-}
 
 /// An argument or result, owned.
 #[derive(Debug)]
@@ -329,7 +213,7 @@ pub unsafe fn run_boxed<F>(
         // SAFETY: the caller's contract.
         let mut args = unsafe { take_args(torch, stack, num_args, num_outputs, signature) }?;
         let mut outs =
-            Outputs { kinds: signature.rets, values: (0..signature.rets.len()).map(|_| None).collect() };
+            Outputs { kinds: signature.rets(), values: (0..signature.rets().len()).map(|_| None).collect() };
         body(&mut args, &mut outs)?;
         drop(args);
         // SAFETY: the stack has room for num_outputs == rets.len() entries (checked in take_args).
@@ -342,7 +226,7 @@ pub unsafe fn run_boxed<F>(
     };
     // Everything the kernel held is dropped by now; the throw happens outside catch_unwind (a
     // foreign exception caught there is unspecified behaviour).
-    throw(torch, signature.name, &failure)
+    throw(torch, signature.name(), &failure)
 }
 
 /// A kernel known at compile time: its op's signature and body. [`register_kernel`] defines the
@@ -397,21 +281,21 @@ unsafe fn take_args(
     num_outputs: u64,
     sig: &OpSignature,
 ) -> Result<Args, KernelError> {
-    if num_args != sig.args.len() as u64 || num_outputs != sig.rets.len() as u64 {
+    if num_args != sig.args().len() as u64 || num_outputs != sig.rets().len() as u64 {
         // Nothing can be freed without knowing the arguments' kinds: a kernel registered for
         // another op (a programming error) leaks its arguments, never frees them wrongly.
         return Err(KernelError(format!(
             "called with {num_args} arguments and {num_outputs} results; its signature has {} and {}",
-            sig.args.len(),
-            sig.rets.len()
+            sig.args().len(),
+            sig.rets().len()
         )));
     }
     if stack.is_null() && (num_args > 0 || num_outputs > 0) {
         return Err(KernelError("a NULL stack".into()));
     }
-    let mut values = Vec::with_capacity(sig.args.len());
+    let mut values = Vec::with_capacity(sig.args().len());
     let mut first_error: Option<KernelError> = None;
-    for (i, &(name, kind)) in sig.args.iter().enumerate() {
+    for (i, &(name, kind)) in sig.args().iter().enumerate() {
         // SAFETY: entry i < num_args of torch's stack.
         let raw = unsafe { stack.add(i).read() };
         let v = match kind {
@@ -443,7 +327,7 @@ unsafe fn take_args(
     // Every owning argument is now held (and freed by the drop) before any error returns.
     match first_error {
         Some(e) => Err(e),
-        None => Ok(Args { sig: sig.args, values }),
+        None => Ok(Args { sig: sig.args(), values }),
     }
 }
 

@@ -6,7 +6,7 @@ use std::fmt;
 use std::panic::Location;
 use std::ptr::NonNull;
 
-use super::kernel::OpSignature;
+use super::signature::OpSignature;
 use super::sys::{BoxedKernel, TorchLibraryHandle, TorchLibraryOpaque};
 use super::{EXTENSION_ABI_VERSION, Error, Result, Torch};
 

@@ -48,6 +48,7 @@
 
 mod kernel;
 mod library;
+mod signature;
 pub mod sys;
 mod tensor;
 pub mod xla;
@@ -57,11 +58,9 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-pub use kernel::{
-    ArgKind, Args, KernelError, NativeKernel, OpSignature, Outputs, Value, boxed_kernel, register_kernel,
-    run_boxed,
-};
+pub use kernel::{Args, KernelError, NativeKernel, Outputs, Value, boxed_kernel, register_kernel, run_boxed};
 pub use library::Library;
+pub use signature::{ArgKind, OpSignature};
 pub use tensor::{DeviceKind, Tensor, TorchDevice};
 
 use crate::DataType;
@@ -297,27 +296,6 @@ impl Torch {
         match self.codes.dtypes.iter().find(|&&(_, d)| d == dtype) {
             Some(&(c, _)) => Ok(c),
             None => Err(Error::Invalid(format!("dtype: {dtype} has no torch dtype code here"))),
-        }
-    }
-
-    fn device_kind(&self, code: i32) -> DeviceKind {
-        if code == self.codes.cpu {
-            DeviceKind::Cpu
-        } else if Some(code) == self.codes.cuda {
-            DeviceKind::Cuda
-        } else if Some(code) == self.codes.meta {
-            DeviceKind::Meta
-        } else {
-            DeviceKind::Other(code)
-        }
-    }
-
-    fn device_code(&self, kind: DeviceKind) -> Result<i32> {
-        match kind {
-            DeviceKind::Cpu => Ok(self.codes.cpu),
-            DeviceKind::Cuda => self.codes.cuda.ok_or_else(|| self.missing("aoti_torch_device_type_cuda")),
-            DeviceKind::Meta => self.codes.meta.ok_or_else(|| self.missing("aoti_torch_device_type_meta")),
-            DeviceKind::Other(c) => Ok(c),
         }
     }
 }

@@ -374,3 +374,27 @@ impl Torch {
         unsafe { Tensor::from_raw(self, out) }.ok_or_else(|| null("torch_from_blob"))
     }
 }
+
+/// How a device is told between this module and torch (torch's codes, read at load).
+impl Torch {
+    fn device_kind(&self, code: i32) -> DeviceKind {
+        if code == self.codes.cpu {
+            DeviceKind::Cpu
+        } else if Some(code) == self.codes.cuda {
+            DeviceKind::Cuda
+        } else if Some(code) == self.codes.meta {
+            DeviceKind::Meta
+        } else {
+            DeviceKind::Other(code)
+        }
+    }
+
+    fn device_code(&self, kind: DeviceKind) -> Result<i32> {
+        match kind {
+            DeviceKind::Cpu => Ok(self.codes.cpu),
+            DeviceKind::Cuda => self.codes.cuda.ok_or_else(|| self.missing("aoti_torch_device_type_cuda")),
+            DeviceKind::Meta => self.codes.meta.ok_or_else(|| self.missing("aoti_torch_device_type_meta")),
+            DeviceKind::Other(c) => Ok(c),
+        }
+    }
+}

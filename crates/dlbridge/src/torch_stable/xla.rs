@@ -21,8 +21,9 @@ use std::ptr::null_mut;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::kernel::{ArgKind, Args, KernelError, OpSignature, Outputs, Value, run_boxed};
+use super::kernel::{Args, KernelError, Outputs, Value, run_boxed};
 use super::library::Library;
+use super::signature::{ArgKind, OpSignature};
 use super::sys::{BoxedKernel, StableIValue};
 use super::{Error, Result, Tensor, Torch, TorchDevice};
 use crate::DataType;

@@ -1,0 +1,121 @@
+//! An op's signature: its name, arguments and results, the schema string torch parses, and what
+//! the boxed kernel decodes the stack with.
+
+use super::{Error, Result};
+
+/// The type of an op's argument or result, as the schema says it and the stack encodes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ArgKind {
+    /// `Tensor`: an owning handle.
+    Tensor,
+    /// `Tensor(a!)`: a tensor the op writes in place (the schema marks it, so torch's
+    /// functionalization and version counters see the write). Arguments only.
+    TensorMut,
+    /// `int`: 64 bits.
+    Int,
+    /// `float`: an f64.
+    Float,
+    /// `bool`.
+    Bool,
+    /// `str`: a `std::string` handle (torch 2.10+). Arguments only.
+    Str,
+}
+
+impl ArgKind {
+    fn schema_type(self) -> &'static str {
+        match self {
+            Self::Tensor | Self::TensorMut => "Tensor",
+            Self::Int => "int",
+            Self::Float => "float",
+            Self::Bool => "bool",
+            Self::Str => "str",
+        }
+    }
+}
+
+/// An op's name, arguments and results: its schema ([`OpSignature::schema`]), and what
+/// [`run_boxed`] decodes the stack with, so the two agree by construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpSignature {
+    name: &'static str,
+    args: &'static [(&'static str, ArgKind)],
+    rets: &'static [ArgKind],
+}
+
+impl OpSignature {
+    /// Op `name` taking `args` (name, kind) and returning `rets`.
+    pub const fn new(
+        name: &'static str,
+        args: &'static [(&'static str, ArgKind)],
+        rets: &'static [ArgKind],
+    ) -> Self {
+        Self { name, args, rets }
+    }
+
+    /// An op signature made at run time (e.g. from a kernel's declaration when a module
+    /// initialises): the name and argument names are leaked, once per op, for the process (as
+    /// the op they define lives that long).
+    pub fn leak(name: &str, args: &[(&str, ArgKind)], rets: &[ArgKind]) -> Self {
+        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
+        let args: Vec<(&'static str, ArgKind)> = args.iter().map(|&(n, k)| (leak(n), k)).collect();
+        Self {
+            name: leak(name),
+            args: Box::leak(args.into_boxed_slice()),
+            rets: Box::leak(rets.to_vec().into_boxed_slice()),
+        }
+    }
+
+    /// The op's name (without namespace).
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The arguments.
+    pub const fn args(&self) -> &'static [(&'static str, ArgKind)] {
+        self.args
+    }
+
+    /// The results.
+    pub const fn rets(&self) -> &'static [ArgKind] {
+        self.rets
+    }
+
+    /// The schema string torch parses: `name(Tensor x, Tensor(a!) y, float a) -> Tensor`
+    /// (mutated tensors get alias sets `a`, `b`, ... in order; no results is `-> ()`, several a
+    /// tuple). [`Error::Invalid`] for a result of kind `TensorMut` or `Str`, more than 26 mutated
+    /// tensors, or a name that is not an identifier.
+    pub fn schema(&self) -> Result<String> {
+        let ident = |what: &str, s: &str| {
+            let ok = s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if ok { Ok(()) } else { Err(Error::Invalid(format!("{what}: {s:?} is not an identifier"))) }
+        };
+        ident("op name", self.name)?;
+        let mut alias = b'a';
+        let mut args = Vec::with_capacity(self.args.len());
+        for &(name, kind) in self.args {
+            ident("argument name", name)?;
+            if kind == ArgKind::TensorMut {
+                if alias > b'z' {
+                    return Err(Error::Invalid(format!("{}: more than 26 mutated tensors", self.name)));
+                }
+                args.push(format!("Tensor({}!) {name}", alias as char));
+                alias += 1;
+            } else {
+                args.push(format!("{} {name}", kind.schema_type()));
+            }
+        }
+        if let Some(k) = self.rets.iter().find(|k| matches!(k, ArgKind::TensorMut | ArgKind::Str)) {
+            return Err(Error::Invalid(format!(
+                "{}: a result of kind {k:?} (Tensor, int, float, bool only)",
+                self.name
+            )));
+        }
+        let rets: Vec<&str> = self.rets.iter().map(|k| k.schema_type()).collect();
+        let rets = match rets.len() {
+            1 => rets[0].to_owned(),
+            _ => format!("({})", rets.join(", ")),
+        };
+        Ok(format!("{}({}) -> {rets}", self.name, args.join(", ")))
+    }
+}
