@@ -55,7 +55,7 @@
 //!
 //! CUDA tensors do not use segments: they travel as CUDA IPC handles
 //! ([`Driver::ipc_export`](crate::cuda::Driver::ipc_export) /
-//! [`Driver::ipc_open`](crate::cuda::Driver::ipc_open), pickled by `python/shared.rs`), opened
+//! [`Driver::ipc_open`](crate::cuda::Driver::ipc_open), pickled by `python/processes/shared.rs`), opened
 //! once per process, handle and device, and closed when the last tensor over the mapping drops. The
 //! contract differs from segments on two points: CUDA IPC keeps nothing alive, so the sender must
 //! keep its tensor until every receiver is done with it (for segments, a receiver's own mapping

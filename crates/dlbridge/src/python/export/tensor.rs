@@ -255,14 +255,14 @@ impl Tensor {
 
     /// Pickling: a shared tensor as a handle to its memory, a CUDA tensor as a CUDA IPC handle,
     /// otherwise its bytes (one out-of-band `PickleBuffer` with protocol 5); see
-    /// `python/shared.rs`.
+    /// `python/processes/shared.rs`.
     #[cfg(target_os = "linux")]
     fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: i32) -> PyResult<Bound<'py, PyTuple>> {
         crate::python::processes::reduce_ex(slf, protocol)
     }
 
     /// `copy.deepcopy`: new memory (a shared tensor's copy is a new shared tensor; a tensor in
-    /// device memory refuses, TypeError); see `python/shared.rs`.
+    /// device memory refuses, TypeError); see `python/processes/shared.rs`.
     #[cfg(target_os = "linux")]
     fn __deepcopy__<'py>(slf: &Bound<'py, Self>, memo: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let _ = memo; // nothing inside a Tensor is a Python object to memoise
