@@ -34,7 +34,7 @@ impl ArgKind {
 }
 
 /// An op's name, arguments and results: its schema ([`OpSignature::schema`]), and what
-/// [`run_boxed`] decodes the stack with, so the two agree by construction.
+/// [`run_boxed`](super::run_boxed) decodes the stack with, so the two agree by construction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpSignature {
     name: &'static str,

@@ -49,7 +49,7 @@ thread_local! {
 /// A tensor borrowed from a Python object for the duration of a call: a `#[pyfunction]` argument
 /// type that costs no capsule and no DLPack round trip. It derefs to [`ManagedTensor`], so every
 /// accessor and typed view works; mutable access is through [`TensorView::as_slice_mut`] and
-/// (feature `ndarray`) [`TensorView::as_array_mut`].
+/// (feature `ndarray`) `TensorView::as_array_mut`.
 ///
 /// ```no_run
 /// use dlbridge::python::TensorView;
