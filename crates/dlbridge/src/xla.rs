@@ -1243,9 +1243,19 @@ impl<'a> AnyBuffer<'a> {
         let bytes =
             unsafe { std::slice::from_raw_parts(self.data.cast::<u8>(), self.numel * size_of::<T>()) };
         if !T::ALL_BIT_PATTERNS_VALID && !T::is_valid_bytes(bytes) {
-            // A fresh result buffer holds anything: bool results are zeroed first.
+            // A fresh result buffer holds anything; an aliased one (an in-place op's `Tensor(a!)`,
+            // jax's input_output_aliases) the caller's values, where torch and numpy read any
+            // nonzero byte as True. Each byte becomes what it reads as (bool, the one such
+            // element, is one byte: nonzero to 1), so either is valid and keeps its values.
             // SAFETY: as above, writable bytes of the buffer, not borrowed elsewhere (`bytes` ends here).
-            unsafe { std::ptr::write_bytes(self.data.cast::<u8>(), 0, self.numel * size_of::<T>()) };
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(self.data.cast::<u8>(), self.numel * size_of::<T>())
+            };
+            if size_of::<T>() == 1 {
+                bytes.iter_mut().for_each(|b| *b = u8::from(*b != 0));
+            } else {
+                bytes.fill(0);
+            }
         }
         // SAFETY: as above; valid values of T.
         Ok(SliceMut::from_lease(

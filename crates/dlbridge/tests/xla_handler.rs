@@ -278,6 +278,16 @@ dlbridge::xla_handler! {
 }
 
 dlbridge::xla_handler! {
+    /// Takes its bool result for writing and writes nothing (as an in-place op that keeps
+    /// some of its values does): what the buffer held must read the same afterwards.
+    fn bools_untouched(call, operands: 0, results: 1) {
+        let mut y = call.output::<bool, Rank<1>>(0, "y")?;
+        let _ = y.as_slice_mut()?;
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
     /// Wrong on purpose: reads operand 1 while writing result 0 (which aliases it).
     fn saxpy_reads_aliased(call, operands: 2, results: 1, attrs: ["a"]) {
         let y_in = call.input::<f32, Rank<1>>(1, "y_in")?;
@@ -376,6 +386,19 @@ fn an_in_place_handler_writes_its_aliased_result() {
     assert!(message.starts_with("saxpy_reads_aliased: y: "), "{message}");
     drop(f);
     assert_eq!(y, [13.0, 26.0]);
+}
+
+/// A bool result whose bytes are not all 0 or 1 (a fresh buffer, or the caller's own tensor
+/// aliased as the result of an in-place op: torch and numpy read any nonzero byte as True) is
+/// made valid byte by byte, nonzero to 1, so the caller's values read the same. Before, the whole
+/// buffer was zeroed: an aliased tensor with one byte 2 lost every True (review).
+#[test]
+fn a_bool_result_keeps_the_truth_of_its_bytes() {
+    let mut y: [u8; 4] = [0, 1, 2, 255];
+    let mut f = Frame::new(vec![], vec![buf(XLA_FFI_DataType::PRED, y.as_mut_ptr().cast(), &[4])], vec![]);
+    f.call(bools_untouched).unwrap();
+    drop(f);
+    assert_eq!(y, [0, 1, 1, 1]);
 }
 
 #[test]
