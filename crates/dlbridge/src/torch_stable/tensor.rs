@@ -161,7 +161,9 @@ impl Tensor {
     /// # Safety
     ///
     /// Nothing changes this tensor's metadata (`resize_`, `as_strided_`, `set_`, ...) through
-    /// any handle while the slice lives: true of a kernel's arguments during the call.
+    /// any handle while the slice lives: a kernel's arguments during the call, by torch's own rule
+    /// (an op holds its arguments' metadata for the call; a `resize_` from another thread meanwhile
+    /// is a data race inside torch itself, whatever dlbridge does).
     pub unsafe fn sizes_borrowed(&self) -> Result<&[i64]> {
         let p = get!(self, aoti_torch_get_sizes, *mut i64);
         // SAFETY: torch's array of dim() extents, alive while the metadata is unchanged (the
@@ -228,6 +230,10 @@ impl Tensor {
     }
 
     /// Copies `src` into this tensor (`self.copy_(src)`: broadcasting and casting as torch does).
+    /// torch writes the memory through its own op, as `x.copy_(src)` from Python would: like any
+    /// torch operation, it is not seen by dlbridge's borrow registry (a foreign write, see
+    /// ARCHITECTURE.md's Soundness section), so do not copy into a tensor whose memory a handler
+    /// on another thread holds as a slice.
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         let f = self.torch.need(self.torch.syms.aoti_torch_copy_, "aoti_torch_copy_")?;
         // SAFETY: two live handles.
@@ -299,7 +305,9 @@ impl Torch {
 
     /// A new uninitialised C-contiguous tensor of `like`'s extents, dtype and device.
     pub fn empty_like_contiguous(&'static self, like: &Tensor) -> Result<Tensor> {
-        // SAFETY: used before anything else touches `like`.
+        // SAFETY: the sizes are read and copied at once, while the caller holds `like`; nothing
+        // changes a tensor's metadata during an op that holds it (torch's rule: see
+        // `sizes_borrowed`).
         let sizes = unsafe { like.sizes_borrowed() }?;
         self.empty(sizes, like.dtype()?, like.device()?)
     }

@@ -451,8 +451,9 @@ fn too_many(op: &XlaOp, what: &str, n: usize) -> KernelError {
 fn buffer_of(t: &Tensor, dtype: DataType, what: &str) -> Result<XLA_FFI_Buffer, KernelError> {
     let x =
         xla_dtype(dtype).ok_or_else(|| KernelError(format!("{what}: {dtype} has no XLA element type")))?;
-    // SAFETY: the tensor is held through the call and nothing changes its metadata meanwhile (a
-    // kernel's argument or a tensor made here); the frame only reads the extents.
+    // SAFETY: the tensor is held through the call (a kernel's argument or a tensor made here), and
+    // by torch's rule nothing changes an op's arguments' metadata during the call (a concurrent
+    // `resize_` would be a data race inside torch itself); the frame only reads the extents.
     let dims = unsafe { t.sizes_borrowed() }?;
     Ok(XLA_FFI_Buffer {
         struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
