@@ -231,9 +231,9 @@ impl Tensor {
 
     /// Copies `src` into this tensor (`self.copy_(src)`: broadcasting and casting as torch does).
     /// torch writes the memory through its own op, as `x.copy_(src)` from Python would: like any
-    /// torch operation, it is not seen by dlbridge's borrow registry (a foreign write, see
-    /// ARCHITECTURE.md's Soundness section), so do not copy into a tensor whose memory a handler
-    /// on another thread holds as a slice.
+    /// torch operation, it is not seen by dlbridge's borrow registry (another library's write:
+    /// ARCHITECTURE.md, "What the memory rule cannot cover"), so do not copy into a tensor whose
+    /// memory a handler on another thread holds as a slice.
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         let f = self.torch.need(self.torch.syms.aoti_torch_copy_, "aoti_torch_copy_")?;
         // SAFETY: two live handles.
