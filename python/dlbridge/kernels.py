@@ -32,6 +32,11 @@ Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit`
 the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
 returns its new value (the handler reads and writes the aliased output buffer).
 
+Names: the torch op is ``torch.ops.<namespace>.<name>`` and the XLA FFI target
+``<namespace>.<name>``, named by ``name=`` and ``namespace=`` or, by default, the function's name
+in the top-level package of its module (``my_kernels.rms_norm`` for ``my_kernels.my_kernels``'s
+``rms_norm``). ``help(kernel)`` shows the signature, the function's docs, the op and the target.
+
 A kernel's XLA FFI target is registered with jax when the kernel is made (or, made before jax is
 imported, right after jax's own import), so a ``jax.export``-ed function that calls it runs in a
 process that imported the extension, without tracing the kernel first.
@@ -60,7 +65,9 @@ _ATTR_SCHEMA = {
     "int64": "int",
     "bool": "bool",
 }
-_NAMESPACE = "dlbridge_kernels"
+# What torch.ops accepts as a namespace or op name, and the namespaces torch keeps for itself.
+_IDENTIFIER = re.compile(r"[A-Za-z][0-9A-Za-z_]*")
+_RESERVED_NAMESPACES = frozenset({"prim", "prims", "aten", "at", "torch", "pytorch"})
 _EMPTY = inspect.Parameter.empty
 _UNSET = object()
 
@@ -99,6 +106,12 @@ def _torch_seen(torch: Any) -> None:
     _forward_ad = torch.autograd.forward_ad
 
 
+def _identifier(text: str) -> str:
+    """``text`` as a name torch.ops accepts (letters, digits, underscores, a letter first)."""
+    ident = re.sub(r"[^0-9A-Za-z_]", "_", text).lstrip("_")
+    return ident if ident[:1].isalpha() else f"k_{ident}"
+
+
 def _route_of(tp: type) -> int:
     route = 0
     jax = sys.modules.get("jax")
@@ -135,6 +148,7 @@ class Kernel:
         fn: Callable[..., Any],
         *,
         name: str | None = None,
+        namespace: str | None = None,
         out: str | Callable[..., tuple[Sequence[int], str]] | None = _UNSET,  # type: ignore[assignment]
         attrs: Mapping[str, str] | None = None,
         mutates: Sequence[str] = (),
@@ -143,12 +157,29 @@ class Kernel:
         vmap_method: str = "sequential",
     ) -> None:
         self._fn = fn
+        for what, given in (("name", name), ("namespace", namespace)):
+            if given is not None and not _IDENTIFIER.fullmatch(given):
+                raise ValueError(
+                    f"kernel: {what}={given!r} is not a valid op {what}: use letters, digits and "
+                    "underscores, starting with a letter (it names torch.ops.<namespace>.<name> and the "
+                    "XLA FFI target <namespace>.<name>)"
+                )
+        if namespace in _RESERVED_NAMESPACES:
+            raise ValueError(f"kernel: namespace={namespace!r} is reserved by torch: choose another")
         self.__name__ = name or getattr(fn, "__name__", "kernel")
         self.__qualname__ = self.__name__
-        self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
         module = getattr(fn, "__module__", None) or "extension"
         self.__module__ = module
+        # The op's names, chosen by the author or derived: the name is the kernel's (the
+        # function's) name, the namespace the top-level package of the function's module.
+        self._named = name is not None or namespace is not None
+        self._op_name = name if name is not None else _identifier(self.__name__)
+        if namespace is None:
+            namespace = _identifier(module.split(".")[0])
+            if namespace in _RESERVED_NAMESPACES:
+                namespace += "_kernels"
+        self._namespace = namespace
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError) as e:
@@ -192,10 +223,17 @@ class Kernel:
         if mutates and self._returns and self._out.like != self._mutated_idx:
             raise ValueError(f"kernel {self.__name__}: an in-place kernel's result is its argument {mutates[0]!r}")
         self._ffi = ffi
-        # One XLA FFI target per kernel (a kernel made twice gets a second name).
-        target = base = re.sub(r"[^0-9A-Za-z_.]", "_", f"dlbridge.{module}.{self.__name__}")
+        # One XLA FFI target per kernel, <namespace>.<name>: a kernel made twice gets a second
+        # name where its names are derived; a name the author chose is never changed (a
+        # serialized jax.export names it), so a second kernel of that name is refused.
+        target = base = f"{self._namespace}.{self._op_name}"
         copy = 1
         while target in _TARGET_NAMES:
+            if self._named:
+                raise ValueError(
+                    f"kernel {self.__name__}: the XLA FFI target {target!r} is taken by another kernel "
+                    "of this process: give this one another name= or namespace="
+                )
             copy += 1
             target = f"{base}_{copy}"
         _TARGET_NAMES.add(target)
@@ -213,6 +251,8 @@ class Kernel:
                 # Its refusal of a double backward then names this kernel (first order only).
                 bk._grad_of.append(str(self.__name__))
         self._backward = backward
+        self.__doc__ = self._help(getattr(fn, "__doc__", None))
+        self.__signature__ = self._signature()
         # The kernels this one is the named backward of.
         self._grad_of: list[str] = []
         self._vmap_method = vmap_method
@@ -239,7 +279,70 @@ class Kernel:
                 _watch_import("jax")
 
     def __repr__(self) -> str:
-        return f"<dlbridge kernel {self.__module__}.{self.__name__}>"
+        return f"<dlbridge kernel {self._namespace}.{self._op_name}>"
+
+    def _signature(self) -> inspect.Signature:
+        """The parameters as the kernel reads them: tensors (``Tensor``, or ``Tensor (written in
+        place)``) and attributes (their numpy type), with their defaults."""
+        params = []
+        for i, n in enumerate(self._params):
+            if n in self._attrs:
+                note = self._attrs[n]
+            elif n in self._mutates:
+                note = "Tensor (written in place)"
+            else:
+                note = "Tensor"
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+            params.append(inspect.Parameter(n, kind, default=self._defaults[i], annotation=note))
+        # An in-place kernel returns the argument it writes.
+        result = "Tensor" if self._mutated_idx is None else f"Tensor ({self._mutates[0]})"
+        return inspect.Signature(params, return_annotation=result)
+
+    def _help(self, doc: str | None) -> str:
+        """What ``help(kernel)`` shows: the signature, the author's docs, then where the kernel
+        runs (its torch op and XLA FFI target) and its gradient."""
+        sig = str(self._signature()).replace("'", "")
+        lines = [f"{self.__name__}{sig}", ""]
+        if doc:
+            lines += [inspect.cleandoc(doc), ""]
+        ns, name = self._namespace, self._op_name
+        lines.append(
+            f"A dlbridge kernel: eager on numpy, torch and jax arrays; torch.ops.{ns}.{name} under "
+            f"torch.compile and autograd; XLA FFI target {self._target!r} under jax.jit"
+            + ("" if self._ffi is not None else " (no handler: jax tracers are refused)")
+            + "."
+        )
+        if self._attrs:
+            lines.append(
+                "Attributes (static under jax.jit): "
+                + ", ".join(f"{n}: {t}" for n, t in self._attrs.items())
+                + "."
+            )
+        if self._mutates:
+            lines.append(f"Writes {', '.join(self._mutates)} in place.")
+        bw = self._backward
+        if bw is None:
+            lines.append("No backward: gradients through it are refused.")
+        elif callable(bw):
+            lines.append(f"Backward: {getattr(bw, '__name__', bw)!s}.")
+        else:
+            bk, bargs, bgrads = bw
+            lines.append(
+                f"Backward: {getattr(bk, '__name__', bk)!s}({', '.join(bargs)}) gives the gradient of "
+                f"{', '.join(bgrads)}."
+            )
+        return "\n".join(lines)
+
+    @property
+    def namespace(self) -> str:
+        """The op's namespace: ``torch.ops.<namespace>.<name>``, XLA FFI target
+        ``<namespace>.<name>`` (the author's, or the top-level package of the function's module)."""
+        return self._namespace
+
+    @property
+    def op_name(self) -> str:
+        """The op's name in its namespace (the author's, or the kernel's name)."""
+        return self._op_name
 
     @property
     def target(self) -> str:
@@ -414,14 +517,8 @@ class Kernel:
                 parts.append(f"Tensor {n}")
         functional = self._mutated_idx is None
         schema = f"({', '.join(parts)}) -> {'Tensor' if functional else '()'}"
-        # A valid identifier that starts with a letter (torch.ops refuses dunder-like names), new
-        # in the namespace (a kernel made twice gets a second op).
-        base = "k_" + re.sub(r"\W", "_", f"{self.__module__}__{self.__name__}").strip("_")
-        namespace = getattr(torch.ops, _NAMESPACE)
-        opname, copy = base, 1
-        while hasattr(namespace, opname):
-            copy += 1
-            opname = f"{base}_{copy}"
+        ns, opname = self._torch_op_names(torch)
+        namespace = getattr(torch.ops, ns)
 
         if functional:
 
@@ -434,7 +531,7 @@ class Kernel:
                 return None
 
         op = torch.library.custom_op(
-            f"{_NAMESPACE}::{opname}", impl, mutates_args=self._mutates, schema=schema
+            f"{ns}::{opname}", impl, mutates_args=self._mutates, schema=schema
         )
         out = self._out
         if functional:
@@ -470,6 +567,24 @@ class Kernel:
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
         self._compiling = torch.compiler.is_compiling
+
+    def _torch_op_names(self, torch: Any) -> tuple[str, str]:
+        """The torch op's namespace and name, ``torch.ops.<namespace>.<name>``: the author's
+        (``name=``, ``namespace=``; refused if the op exists already), or derived (the kernel's
+        name in the top-level package of its function's module; a kernel made twice gets a
+        second op, ``<name>_2``). The one place that names a kernel's torch op."""
+        ns, base = self._namespace, self._op_name
+        namespace = getattr(torch.ops, ns)
+        opname, copy = base, 1
+        while hasattr(namespace, opname):
+            if self._named:
+                raise ValueError(
+                    f"kernel {self.__name__}: the torch op {ns}::{opname} exists already: give this "
+                    "kernel another name= or namespace="
+                )
+            copy += 1
+            opname = f"{base}_{copy}"
+        return ns, opname
 
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
@@ -735,6 +850,7 @@ def kernel(
     /,
     *,
     name: str | None = None,
+    namespace: str | None = None,
     out: str | Callable[..., tuple[Sequence[int], str]] | None = _UNSET,  # type: ignore[assignment]
     attrs: Mapping[str, str] | None = None,
     mutates: Sequence[str] = (),
@@ -742,12 +858,16 @@ def kernel(
     backward: Any = None,
     vmap_method: str = "sequential",
 ) -> Any:
-    """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only)."""
+    """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only). ``name``
+    and ``namespace`` name its ops, ``torch.ops.<namespace>.<name>`` and the XLA FFI target
+    ``<namespace>.<name>``; by default the function's name and the top-level package of its
+    module."""
 
     def wrap(f: Callable[..., Any]) -> Kernel:
         return Kernel(
             f,
             name=name,
+            namespace=namespace,
             out=out,
             attrs=attrs,
             mutates=mutates,
