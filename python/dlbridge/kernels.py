@@ -363,6 +363,17 @@ class Kernel:
         # checked at every call of the compiled function, so the path reads little (the op binds
         # the arguments itself, defaults included).
         if self._compiling():
+            # A Python number where the op takes a tensor (a scalar parameter missing from
+            # `attrs`): said in the author's terms, not the schema's. Dynamo knows each argument's
+            # type, so this costs no guard unless a number is passed (then the check is traced).
+            for a in args:
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
+            for a in kwargs.values():
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
             # The op's overload itself: dynamo puts it in the graph at the cost of one guard.
             if self._mutated_idx is None:
                 return self._overload(*args, **kwargs)
@@ -412,6 +423,20 @@ class Kernel:
         if _forward_ad._current_level >= 0:
             self._refuse_dual_tensors(args, kwargs)
         return self._fn(*args, **kwargs)
+
+    def _refuse_numbers_for_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """A Python number passed for a tensor parameter: the op's schema takes a tensor there,
+        since the parameter is not named in ``attrs``; say so, and what to declare (torch would
+        say "Expected a value of type 'Tensor' for argument")."""
+        for n, a in [*zip(self._params, args), *kwargs.items()]:
+            if n in self._index and n not in self._attrs and isinstance(a, (bool, int, float, complex)):
+                t = "bool" if isinstance(a, bool) else "int64" if isinstance(a, int) else "float64"
+                raise TypeError(
+                    f"{self.__name__}: argument {n!r} is a Python {type(a).__name__} ({a!r}), but the "
+                    f"kernel declares {n!r} a tensor (every parameter not named in attrs is one): "
+                    f"declare it a scalar attribute, attrs {{{n!r}: {t!r}}} (Rust: KernelDef {{ attrs: "
+                    f'&[("{n}", "{t}")], .. }}), or pass a tensor'
+                )
 
     def _refuse_dual_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Inside a forward-AD dual level, a tensor with a tangent is refused: a kernel has no
@@ -466,6 +491,9 @@ class Kernel:
 
     def _torch_call(self, vals: list[Any]) -> Any:
         op = self._op
+        for i in self._tensor_idx:
+            if isinstance(vals[i], (bool, int, float, complex)):
+                self._refuse_numbers_for_tensors(vals, {})
         if op is None:
             raise RuntimeError(
                 f"{self.__name__}: its torch op does not exist yet: call dlbridge.kernels.torch_ready() "
@@ -674,6 +702,9 @@ class Kernel:
             named.append((n, np.dtype(self._attrs[n]).type(vals[i])))
         attrs = tuple(named)
         tensors = [vals[i] for i in self._tensor_idx]
+        for t in tensors:
+            if isinstance(t, (bool, int, float, complex)):
+                self._refuse_numbers_for_tensors(vals, {})
         if self._backward is None:
             return self._jax_ffi(jax, attrs, tensors)
         if self._jax_vjp is None:
