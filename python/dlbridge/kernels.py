@@ -26,6 +26,10 @@ operations (torch ops, or kernels with a backward of their own); where it is not
 without a backward, a plain function), double backward (``create_graph=True``,
 ``gradgradcheck``) raises that the gradient is first order only.
 
+``torch.func`` works too: ``vmap`` through the op's vmap rule (one call per batch element, the
+results stacked), ``grad``, ``jacrev`` and ``vmap(grad)`` through an ``autograd.Function`` in
+torch.func's style (``setup_context``) with the same backward, or the same refusal.
+
 Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit``) and torch
 ``float``/``int``/``bool`` arguments; every other parameter is a tensor. Parameters named in
 ``mutates`` are written in place: torch sees them as ``mutates_args``; XLA, being functional, gets
@@ -262,6 +266,7 @@ class Kernel:
         self._compiling: Callable[[], bool] = _never_compiling
         self._overload: Any = None
         self._jax_vjp: Any = None
+        self._func: Any = None
         if "torch" in sys.modules:
             self._make_torch_op(sys.modules["torch"])
             _make_pending_torch_ops()
@@ -422,7 +427,15 @@ class Kernel:
             return self._torch_call(self._bind(args, kwargs))
         if _forward_ad._current_level >= 0:
             self._refuse_dual_tensors(args, kwargs)
-        return self._fn(*args, **kwargs)
+        try:
+            return self._fn(*args, **kwargs)
+        except BufferError:
+            # A torch.func transform's wrapped tensor (vmap's batched tensor) has no memory of
+            # its own, so the function refused it at conversion, before its body ran: the op's
+            # vmap rule takes it (asked only once the call failed: the eager path pays nothing).
+            if not _functorch_wrapped(args, kwargs):
+                raise
+        return self._torch_call(self._bind(args, kwargs))
 
     def _refuse_numbers_for_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """A Python number passed for a tensor parameter: the op's schema takes a tensor there,
@@ -504,6 +517,13 @@ class Kernel:
                 self._refuse_grad_in_place(vals, {})
             op(*vals)
             return vals[self._mutated_idx]
+        if _functorch_wrapped(vals, {}):
+            # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
+            # without setup_context, which torch.func refuses; this one has it (and the op's
+            # vmap rule underneath).
+            if self._func is None:
+                self._func = self._make_func(sys.modules["torch"])
+            return self._func.apply(*vals)
         return op(*vals)
 
     def _refuse_grad_in_place(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -591,6 +611,7 @@ class Kernel:
                 raise RuntimeError(self._no_backward_message())
 
             op.register_autograd(no_backward)
+        self._register_torch_vmap(torch, op)
         self._op = op
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
@@ -615,6 +636,70 @@ class Kernel:
         return ns, opname
 
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
+        setup_context, backward = self._autograd_rules(torch)
+        op.register_autograd(backward, setup_context=setup_context)
+
+    def _register_torch_vmap(self, torch: Any, op: Any) -> None:
+        """``torch.func.vmap``'s rule for the op: one call per batch element (as jax's
+        ``vmap_method="sequential"``), the results stacked; an in-place kernel writes each
+        element of its batched argument (refused when that argument is not batched)."""
+        params, mutated = self._params, self._mutated_idx
+
+        def rule(info: Any, in_dims: tuple[Any, ...], *vals: Any) -> Any:
+            if mutated is not None and in_dims[mutated] is None:
+                batched = [params[i] for i, d in enumerate(in_dims) if d is not None]
+                raise RuntimeError(
+                    f"{self.__name__}: under torch.func.vmap, {params[mutated]!r} is written in place "
+                    f"but is not batched while {', '.join(map(repr, batched))} is: each element would "
+                    f"write the same tensor; batch {params[mutated]!r} too"
+                )
+            outs = []
+            for b in range(info.batch_size):
+                sl = [v if d is None else v.select(d, b) for v, d in zip(vals, in_dims, strict=True)]
+                if mutated is None:
+                    outs.append(op(*[t.contiguous() if isinstance(t, torch.Tensor) else t for t in sl]))
+                    continue
+                y = sl[mutated]
+                args = [t.contiguous() if isinstance(t, torch.Tensor) and i != mutated else t for i, t in enumerate(sl)]
+                if not y.is_contiguous():
+                    args[mutated] = y.contiguous()
+                op(*args)
+                if args[mutated] is not y:
+                    y.copy_(args[mutated])
+            if mutated is None:
+                return torch.stack(outs), 0
+            return None, None
+
+        op.register_vmap(rule)
+
+    def _make_func(self, torch: Any) -> Any:
+        """The kernel as an ``autograd.Function`` in torch.func's style (``setup_context``, a vmap
+        rule generated through the op's own): what ``torch.func.grad``, ``jacrev`` and ``vmap``
+        of a gradient call. Its backward is the kernel's, or the refusal of a kernel with none."""
+        overload = self._overload
+        if self._backward is not None:
+            setup_context, backward = self._autograd_rules(torch)
+        else:
+
+            def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                pass
+
+            def backward(ctx: Any, *grads: Any) -> Any:
+                raise RuntimeError(self._no_backward_message())
+
+        return type(
+            f"{self._op_name}_function",
+            (torch.autograd.Function,),
+            {
+                "generate_vmap_rule": True,
+                "forward": staticmethod(lambda *vals: overload(*vals)),
+                "setup_context": staticmethod(setup_context),
+                "backward": staticmethod(backward),
+            },
+        )
+
+    def _autograd_rules(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The ``setup_context`` and ``backward`` of a kernel that names a backward."""
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -634,7 +719,7 @@ class Kernel:
                 result = self._first_order_only(torch, result, (grad, *saved))
             return result
 
-        op.register_autograd(backward, setup_context=setup_context)
+        return setup_context, backward
 
     def _first_order_only(self, torch: Any, result: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         """Under create_graph=True, a gradient the backward returned cut off from autograd (a plain
@@ -656,7 +741,7 @@ class Kernel:
                     "again (double backward, create_graph=True, gradgradcheck); write the backward with "
                     "differentiable operations (torch ops, or kernels that name a backward of their own)"
                 )
-                out[j] = _first_order_function(torch).apply(message, [g], *live)
+                out[j] = _first_order_function(torch).apply(message, g, *live)
         return tuple(out)
 
     def _no_backward_message(self) -> str:
@@ -759,6 +844,15 @@ class Kernel:
         return f
 
 
+def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether an argument is a torch.func transform's wrapped tensor (batched, grad-tracking)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(isinstance(a, torch.Tensor) and wrapped(a) for a in [*args, *kwargs.values()])
+
+
 _FIRST_ORDER: Any = None
 
 
@@ -769,10 +863,17 @@ def _first_order_function(torch: Any) -> Any:
     if _FIRST_ORDER is None:
 
         class FirstOrderOnly(torch.autograd.Function):
+            # torch.func's style (setup_context, a generated vmap rule), so a gradient made
+            # under torch.func.jacrev or vmap(grad) is tied the same way.
+            generate_vmap_rule = True
+
             @staticmethod
-            def forward(ctx: Any, message: str, box: list[Any], *inputs: Any) -> Any:
-                ctx.message = message
-                return box[0].view_as(box[0])
+            def forward(message: str, g: Any, *inputs: Any) -> Any:
+                return g.view_as(g)
+
+            @staticmethod
+            def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                ctx.message = inputs[0]
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
