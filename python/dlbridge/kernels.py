@@ -104,10 +104,21 @@ _grad_enabled: Callable[[], bool] = _no_grad_mode
 _forward_ad: Any = _NoForwardAD
 
 
+def _no_functorch_level() -> None:
+    """torch.func's current transform level until torch is imported: none."""
+    return None
+
+
+# torch._C._functorch.maybe_current_level once torch is imported: None outside torch.func's
+# transforms (one C call on the op path).
+_functorch_level: Callable[[], Any] = _no_functorch_level
+
+
 def _torch_seen(torch: Any) -> None:
-    global _grad_enabled, _forward_ad
+    global _grad_enabled, _forward_ad, _functorch_level
     _grad_enabled = torch._C.is_grad_enabled
     _forward_ad = torch.autograd.forward_ad
+    _functorch_level = torch._C._functorch.maybe_current_level
 
 
 def _identifier(text: str) -> str:
@@ -504,27 +515,30 @@ class Kernel:
 
     def _torch_call(self, vals: list[Any]) -> Any:
         op = self._op
-        for i in self._tensor_idx:
-            if isinstance(vals[i], (bool, int, float, complex)):
-                self._refuse_numbers_for_tensors(vals, {})
         if op is None:
             raise RuntimeError(
                 f"{self.__name__}: its torch op does not exist yet: call dlbridge.kernels.torch_ready() "
                 "(or any kernel) once after importing torch, before torch.compile traces it"
             )
-        if self._mutated_idx is not None:
-            if _grad_enabled():
-                self._refuse_grad_in_place(vals, {})
-            op(*vals)
-            return vals[self._mutated_idx]
-        if _functorch_wrapped(vals, {}):
-            # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
-            # without setup_context, which torch.func refuses; this one has it (and the op's
-            # vmap rule underneath).
-            if self._func is None:
-                self._func = self._make_func(sys.modules["torch"])
-            return self._func.apply(*vals)
-        return op(*vals)
+        try:
+            if self._mutated_idx is not None:
+                if _grad_enabled():
+                    self._refuse_grad_in_place(vals, {})
+                op(*vals)
+                return vals[self._mutated_idx]
+            if _functorch_level() is not None:
+                # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
+                # without setup_context, which torch.func refuses; this one has it (and the op's
+                # vmap rule underneath).
+                if self._func is None:
+                    self._func = self._make_func(sys.modules["torch"])
+                return self._func.apply(*vals)
+            return op(*vals)
+        except (RuntimeError, TypeError, AttributeError):
+            # A Python number for a tensor parameter: said in the author's terms, not the
+            # schema's (asked only once the call failed).
+            self._refuse_numbers_for_tensors(vals, {})
+            raise
 
     def _refuse_grad_in_place(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """In grad mode, an in-place kernel refuses every argument that requires grad: autograd
