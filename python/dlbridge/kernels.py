@@ -26,11 +26,20 @@ operations (torch ops, or kernels with a backward of their own); where it is not
 without a backward, a plain function), double backward (``create_graph=True``,
 ``gradgradcheck``) raises that the gradient is first order only.
 
+``torch.func`` works too: ``vmap`` through the op's vmap rule (one call per batch element, the
+results stacked), ``grad``, ``jacrev`` and ``vmap(grad)`` through an ``autograd.Function`` in
+torch.func's style (``setup_context``) with the same backward, or the same refusal.
+
 Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit``) and torch
 ``float``/``int``/``bool`` arguments; every other parameter is a tensor. Parameters named in
 ``mutates`` are written in place: torch sees them as ``mutates_args``; XLA, being functional, gets
 the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
 returns its new value (the handler reads and writes the aliased output buffer).
+
+Names: the torch op is ``torch.ops.<namespace>.<name>`` and the XLA FFI target
+``<namespace>.<name>``, named by ``name=`` and ``namespace=`` or, by default, the function's name
+in the top-level package of its module (``my_kernels.rms_norm`` for ``my_kernels.my_kernels``'s
+``rms_norm``). ``help(kernel)`` shows the signature, the function's docs, the op and the target.
 
 A kernel's XLA FFI target is registered with jax when the kernel is made (or, made before jax is
 imported, right after jax's own import), so a ``jax.export``-ed function that calls it runs in a
@@ -60,7 +69,9 @@ _ATTR_SCHEMA = {
     "int64": "int",
     "bool": "bool",
 }
-_NAMESPACE = "dlbridge_kernels"
+# What torch.ops accepts as a namespace or op name, and the namespaces torch keeps for itself.
+_IDENTIFIER = re.compile(r"[A-Za-z][0-9A-Za-z_]*")
+_RESERVED_NAMESPACES = frozenset({"prim", "prims", "aten", "at", "torch", "pytorch"})
 _EMPTY = inspect.Parameter.empty
 _UNSET = object()
 
@@ -93,10 +104,27 @@ _grad_enabled: Callable[[], bool] = _no_grad_mode
 _forward_ad: Any = _NoForwardAD
 
 
+def _no_functorch_level() -> None:
+    """torch.func's current transform level until torch is imported: none."""
+    return None
+
+
+# torch._C._functorch.maybe_current_level once torch is imported: None outside torch.func's
+# transforms (one C call on the op path).
+_functorch_level: Callable[[], Any] = _no_functorch_level
+
+
 def _torch_seen(torch: Any) -> None:
-    global _grad_enabled, _forward_ad
+    global _grad_enabled, _forward_ad, _functorch_level
     _grad_enabled = torch._C.is_grad_enabled
     _forward_ad = torch.autograd.forward_ad
+    _functorch_level = torch._C._functorch.maybe_current_level
+
+
+def _identifier(text: str) -> str:
+    """``text`` as a name torch.ops accepts (letters, digits, underscores, a letter first)."""
+    ident = re.sub(r"[^0-9A-Za-z_]", "_", text).lstrip("_")
+    return ident if ident[:1].isalpha() else f"k_{ident}"
 
 
 def _route_of(tp: type) -> int:
@@ -135,6 +163,7 @@ class Kernel:
         fn: Callable[..., Any],
         *,
         name: str | None = None,
+        namespace: str | None = None,
         out: str | Callable[..., tuple[Sequence[int], str]] | None = _UNSET,  # type: ignore[assignment]
         attrs: Mapping[str, str] | None = None,
         mutates: Sequence[str] = (),
@@ -143,12 +172,29 @@ class Kernel:
         vmap_method: str = "sequential",
     ) -> None:
         self._fn = fn
+        for what, given in (("name", name), ("namespace", namespace)):
+            if given is not None and not _IDENTIFIER.fullmatch(given):
+                raise ValueError(
+                    f"kernel: {what}={given!r} is not a valid op {what}: use letters, digits and "
+                    "underscores, starting with a letter (it names torch.ops.<namespace>.<name> and the "
+                    "XLA FFI target <namespace>.<name>)"
+                )
+        if namespace in _RESERVED_NAMESPACES:
+            raise ValueError(f"kernel: namespace={namespace!r} is reserved by torch: choose another")
         self.__name__ = name or getattr(fn, "__name__", "kernel")
         self.__qualname__ = self.__name__
-        self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
         module = getattr(fn, "__module__", None) or "extension"
         self.__module__ = module
+        # The op's names, chosen by the author or derived: the name is the kernel's (the
+        # function's) name, the namespace the top-level package of the function's module.
+        self._named = name is not None or namespace is not None
+        self._op_name = name if name is not None else _identifier(self.__name__)
+        if namespace is None:
+            namespace = _identifier(module.split(".")[0])
+            if namespace in _RESERVED_NAMESPACES:
+                namespace += "_kernels"
+        self._namespace = namespace
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError) as e:
@@ -192,10 +238,17 @@ class Kernel:
         if mutates and self._returns and self._out.like != self._mutated_idx:
             raise ValueError(f"kernel {self.__name__}: an in-place kernel's result is its argument {mutates[0]!r}")
         self._ffi = ffi
-        # One XLA FFI target per kernel (a kernel made twice gets a second name).
-        target = base = re.sub(r"[^0-9A-Za-z_.]", "_", f"dlbridge.{module}.{self.__name__}")
+        # One XLA FFI target per kernel, <namespace>.<name>: a kernel made twice gets a second
+        # name where its names are derived; a name the author chose is never changed (a
+        # serialized jax.export names it), so a second kernel of that name is refused.
+        target = base = f"{self._namespace}.{self._op_name}"
         copy = 1
         while target in _TARGET_NAMES:
+            if self._named:
+                raise ValueError(
+                    f"kernel {self.__name__}: the XLA FFI target {target!r} is taken by another kernel "
+                    "of this process: give this one another name= or namespace="
+                )
             copy += 1
             target = f"{base}_{copy}"
         _TARGET_NAMES.add(target)
@@ -213,6 +266,8 @@ class Kernel:
                 # Its refusal of a double backward then names this kernel (first order only).
                 bk._grad_of.append(str(self.__name__))
         self._backward = backward
+        self.__doc__ = self._help(getattr(fn, "__doc__", None))
+        self.__signature__ = self._signature()
         # The kernels this one is the named backward of.
         self._grad_of: list[str] = []
         self._vmap_method = vmap_method
@@ -222,6 +277,7 @@ class Kernel:
         self._compiling: Callable[[], bool] = _never_compiling
         self._overload: Any = None
         self._jax_vjp: Any = None
+        self._func: Any = None
         if "torch" in sys.modules:
             self._make_torch_op(sys.modules["torch"])
             _make_pending_torch_ops()
@@ -239,7 +295,70 @@ class Kernel:
                 _watch_import("jax")
 
     def __repr__(self) -> str:
-        return f"<dlbridge kernel {self.__module__}.{self.__name__}>"
+        return f"<dlbridge kernel {self._namespace}.{self._op_name}>"
+
+    def _signature(self) -> inspect.Signature:
+        """The parameters as the kernel reads them: tensors (``Tensor``, or ``Tensor (written in
+        place)``) and attributes (their numpy type), with their defaults."""
+        params = []
+        for i, n in enumerate(self._params):
+            if n in self._attrs:
+                note = self._attrs[n]
+            elif n in self._mutates:
+                note = "Tensor (written in place)"
+            else:
+                note = "Tensor"
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+            params.append(inspect.Parameter(n, kind, default=self._defaults[i], annotation=note))
+        # An in-place kernel returns the argument it writes.
+        result = "Tensor" if self._mutated_idx is None else f"Tensor ({self._mutates[0]})"
+        return inspect.Signature(params, return_annotation=result)
+
+    def _help(self, doc: str | None) -> str:
+        """What ``help(kernel)`` shows: the signature, the author's docs, then where the kernel
+        runs (its torch op and XLA FFI target) and its gradient."""
+        sig = str(self._signature()).replace("'", "")
+        lines = [f"{self.__name__}{sig}", ""]
+        if doc:
+            lines += [inspect.cleandoc(doc), ""]
+        ns, name = self._namespace, self._op_name
+        lines.append(
+            f"A dlbridge kernel: eager on numpy, torch and jax arrays; torch.ops.{ns}.{name} under "
+            f"torch.compile and autograd; XLA FFI target {self._target!r} under jax.jit"
+            + ("" if self._ffi is not None else " (no handler: jax tracers are refused)")
+            + "."
+        )
+        if self._attrs:
+            lines.append(
+                "Attributes (static under jax.jit): "
+                + ", ".join(f"{n}: {t}" for n, t in self._attrs.items())
+                + "."
+            )
+        if self._mutates:
+            lines.append(f"Writes {', '.join(self._mutates)} in place.")
+        bw = self._backward
+        if bw is None:
+            lines.append("No backward: gradients through it are refused.")
+        elif callable(bw):
+            lines.append(f"Backward: {getattr(bw, '__name__', bw)!s}.")
+        else:
+            bk, bargs, bgrads = bw
+            lines.append(
+                f"Backward: {getattr(bk, '__name__', bk)!s}({', '.join(bargs)}) gives the gradient of "
+                f"{', '.join(bgrads)}."
+            )
+        return "\n".join(lines)
+
+    @property
+    def namespace(self) -> str:
+        """The op's namespace: ``torch.ops.<namespace>.<name>``, XLA FFI target
+        ``<namespace>.<name>`` (the author's, or the top-level package of the function's module)."""
+        return self._namespace
+
+    @property
+    def op_name(self) -> str:
+        """The op's name in its namespace (the author's, or the kernel's name)."""
+        return self._op_name
 
     @property
     def target(self) -> str:
@@ -260,6 +379,17 @@ class Kernel:
         # checked at every call of the compiled function, so the path reads little (the op binds
         # the arguments itself, defaults included).
         if self._compiling():
+            # A Python number where the op takes a tensor (a scalar parameter missing from
+            # `attrs`): said in the author's terms, not the schema's. Dynamo knows each argument's
+            # type, so this costs no guard unless a number is passed (then the check is traced).
+            for a in args:
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
+            for a in kwargs.values():
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
             # The op's overload itself: dynamo puts it in the graph at the cost of one guard.
             if self._mutated_idx is None:
                 return self._overload(*args, **kwargs)
@@ -308,7 +438,29 @@ class Kernel:
             return self._torch_call(self._bind(args, kwargs))
         if _forward_ad._current_level >= 0:
             self._refuse_dual_tensors(args, kwargs)
-        return self._fn(*args, **kwargs)
+        try:
+            return self._fn(*args, **kwargs)
+        except BufferError:
+            # A torch.func transform's wrapped tensor (vmap's batched tensor) has no memory of
+            # its own, so the function refused it at conversion, before its body ran: the op's
+            # vmap rule takes it (asked only once the call failed: the eager path pays nothing).
+            if not _functorch_wrapped(args, kwargs):
+                raise
+        return self._torch_call(self._bind(args, kwargs))
+
+    def _refuse_numbers_for_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """A Python number passed for a tensor parameter: the op's schema takes a tensor there,
+        since the parameter is not named in ``attrs``; say so, and what to declare (torch would
+        say "Expected a value of type 'Tensor' for argument")."""
+        for n, a in [*zip(self._params, args), *kwargs.items()]:
+            if n in self._index and n not in self._attrs and isinstance(a, (bool, int, float, complex)):
+                t = "bool" if isinstance(a, bool) else "int64" if isinstance(a, int) else "float64"
+                raise TypeError(
+                    f"{self.__name__}: argument {n!r} is a Python {type(a).__name__} ({a!r}), but the "
+                    f"kernel declares {n!r} a tensor (every parameter not named in attrs is one): "
+                    f"declare it a scalar attribute, attrs {{{n!r}: {t!r}}} (Rust: KernelDef {{ attrs: "
+                    f'&[("{n}", "{t}")], .. }}), or pass a tensor'
+                )
 
     def _refuse_dual_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Inside a forward-AD dual level, a tensor with a tangent is refused: a kernel has no
@@ -368,12 +520,25 @@ class Kernel:
                 f"{self.__name__}: its torch op does not exist yet: call dlbridge.kernels.torch_ready() "
                 "(or any kernel) once after importing torch, before torch.compile traces it"
             )
-        if self._mutated_idx is not None:
-            if _grad_enabled():
-                self._refuse_grad_in_place(vals, {})
-            op(*vals)
-            return vals[self._mutated_idx]
-        return op(*vals)
+        try:
+            if self._mutated_idx is not None:
+                if _grad_enabled():
+                    self._refuse_grad_in_place(vals, {})
+                op(*vals)
+                return vals[self._mutated_idx]
+            if _functorch_level() is not None:
+                # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
+                # without setup_context, which torch.func refuses; this one has it (and the op's
+                # vmap rule underneath).
+                if self._func is None:
+                    self._func = self._make_func(sys.modules["torch"])
+                return self._func.apply(*vals)
+            return op(*vals)
+        except (RuntimeError, TypeError, AttributeError):
+            # A Python number for a tensor parameter: said in the author's terms, not the
+            # schema's (asked only once the call failed).
+            self._refuse_numbers_for_tensors(vals, {})
+            raise
 
     def _refuse_grad_in_place(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """In grad mode, an in-place kernel refuses every argument that requires grad: autograd
@@ -414,14 +579,8 @@ class Kernel:
                 parts.append(f"Tensor {n}")
         functional = self._mutated_idx is None
         schema = f"({', '.join(parts)}) -> {'Tensor' if functional else '()'}"
-        # A valid identifier that starts with a letter (torch.ops refuses dunder-like names), new
-        # in the namespace (a kernel made twice gets a second op).
-        base = "k_" + re.sub(r"\W", "_", f"{self.__module__}__{self.__name__}").strip("_")
-        namespace = getattr(torch.ops, _NAMESPACE)
-        opname, copy = base, 1
-        while hasattr(namespace, opname):
-            copy += 1
-            opname = f"{base}_{copy}"
+        ns, opname = self._torch_op_names(torch)
+        namespace = getattr(torch.ops, ns)
 
         if functional:
 
@@ -434,7 +593,7 @@ class Kernel:
                 return None
 
         op = torch.library.custom_op(
-            f"{_NAMESPACE}::{opname}", impl, mutates_args=self._mutates, schema=schema
+            f"{ns}::{opname}", impl, mutates_args=self._mutates, schema=schema
         )
         out = self._out
         if functional:
@@ -466,12 +625,95 @@ class Kernel:
                 raise RuntimeError(self._no_backward_message())
 
             op.register_autograd(no_backward)
+        self._register_torch_vmap(torch, op)
         self._op = op
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
         self._compiling = torch.compiler.is_compiling
 
+    def _torch_op_names(self, torch: Any) -> tuple[str, str]:
+        """The torch op's namespace and name, ``torch.ops.<namespace>.<name>``: the author's
+        (``name=``, ``namespace=``; refused if the op exists already), or derived (the kernel's
+        name in the top-level package of its function's module; a kernel made twice gets a
+        second op, ``<name>_2``). The one place that names a kernel's torch op."""
+        ns, base = self._namespace, self._op_name
+        namespace = getattr(torch.ops, ns)
+        opname, copy = base, 1
+        while hasattr(namespace, opname):
+            if self._named:
+                raise ValueError(
+                    f"kernel {self.__name__}: the torch op {ns}::{opname} exists already: give this "
+                    "kernel another name= or namespace="
+                )
+            copy += 1
+            opname = f"{base}_{copy}"
+        return ns, opname
+
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
+        setup_context, backward = self._autograd_rules(torch)
+        op.register_autograd(backward, setup_context=setup_context)
+
+    def _register_torch_vmap(self, torch: Any, op: Any) -> None:
+        """``torch.func.vmap``'s rule for the op: one call per batch element (as jax's
+        ``vmap_method="sequential"``), the results stacked; an in-place kernel writes each
+        element of its batched argument (refused when that argument is not batched)."""
+        params, mutated = self._params, self._mutated_idx
+
+        def rule(info: Any, in_dims: tuple[Any, ...], *vals: Any) -> Any:
+            if mutated is not None and in_dims[mutated] is None:
+                batched = [params[i] for i, d in enumerate(in_dims) if d is not None]
+                raise RuntimeError(
+                    f"{self.__name__}: under torch.func.vmap, {params[mutated]!r} is written in place "
+                    f"but is not batched while {', '.join(map(repr, batched))} is: each element would "
+                    f"write the same tensor; batch {params[mutated]!r} too"
+                )
+            outs = []
+            for b in range(info.batch_size):
+                sl = [v if d is None else v.select(d, b) for v, d in zip(vals, in_dims, strict=True)]
+                if mutated is None:
+                    outs.append(op(*[t.contiguous() if isinstance(t, torch.Tensor) else t for t in sl]))
+                    continue
+                y = sl[mutated]
+                args = [t.contiguous() if isinstance(t, torch.Tensor) and i != mutated else t for i, t in enumerate(sl)]
+                if not y.is_contiguous():
+                    args[mutated] = y.contiguous()
+                op(*args)
+                if args[mutated] is not y:
+                    y.copy_(args[mutated])
+            if mutated is None:
+                return torch.stack(outs), 0
+            return None, None
+
+        op.register_vmap(rule)
+
+    def _make_func(self, torch: Any) -> Any:
+        """The kernel as an ``autograd.Function`` in torch.func's style (``setup_context``, a vmap
+        rule generated through the op's own): what ``torch.func.grad``, ``jacrev`` and ``vmap``
+        of a gradient call. Its backward is the kernel's, or the refusal of a kernel with none."""
+        overload = self._overload
+        if self._backward is not None:
+            setup_context, backward = self._autograd_rules(torch)
+        else:
+
+            def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                pass
+
+            def backward(ctx: Any, *grads: Any) -> Any:
+                raise RuntimeError(self._no_backward_message())
+
+        return type(
+            f"{self._op_name}_function",
+            (torch.autograd.Function,),
+            {
+                "generate_vmap_rule": True,
+                "forward": staticmethod(lambda *vals: overload(*vals)),
+                "setup_context": staticmethod(setup_context),
+                "backward": staticmethod(backward),
+            },
+        )
+
+    def _autograd_rules(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The ``setup_context`` and ``backward`` of a kernel that names a backward."""
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -491,7 +733,7 @@ class Kernel:
                 result = self._first_order_only(torch, result, (grad, *saved))
             return result
 
-        op.register_autograd(backward, setup_context=setup_context)
+        return setup_context, backward
 
     def _first_order_only(self, torch: Any, result: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         """Under create_graph=True, a gradient the backward returned cut off from autograd (a plain
@@ -513,7 +755,7 @@ class Kernel:
                     "again (double backward, create_graph=True, gradgradcheck); write the backward with "
                     "differentiable operations (torch ops, or kernels that name a backward of their own)"
                 )
-                out[j] = _first_order_function(torch).apply(message, [g], *live)
+                out[j] = _first_order_function(torch).apply(message, g, *live)
         return tuple(out)
 
     def _no_backward_message(self) -> str:
@@ -559,6 +801,9 @@ class Kernel:
             named.append((n, np.dtype(self._attrs[n]).type(vals[i])))
         attrs = tuple(named)
         tensors = [vals[i] for i in self._tensor_idx]
+        for t in tensors:
+            if isinstance(t, (bool, int, float, complex)):
+                self._refuse_numbers_for_tensors(vals, {})
         if self._backward is None:
             return self._jax_ffi(jax, attrs, tensors)
         if self._jax_vjp is None:
@@ -613,6 +858,15 @@ class Kernel:
         return f
 
 
+def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether an argument is a torch.func transform's wrapped tensor (batched, grad-tracking)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(isinstance(a, torch.Tensor) and wrapped(a) for a in [*args, *kwargs.values()])
+
+
 _FIRST_ORDER: Any = None
 
 
@@ -623,10 +877,17 @@ def _first_order_function(torch: Any) -> Any:
     if _FIRST_ORDER is None:
 
         class FirstOrderOnly(torch.autograd.Function):
+            # torch.func's style (setup_context, a generated vmap rule), so a gradient made
+            # under torch.func.jacrev or vmap(grad) is tied the same way.
+            generate_vmap_rule = True
+
             @staticmethod
-            def forward(ctx: Any, message: str, box: list[Any], *inputs: Any) -> Any:
-                ctx.message = message
-                return box[0].view_as(box[0])
+            def forward(message: str, g: Any, *inputs: Any) -> Any:
+                return g.view_as(g)
+
+            @staticmethod
+            def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                ctx.message = inputs[0]
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
@@ -735,6 +996,7 @@ def kernel(
     /,
     *,
     name: str | None = None,
+    namespace: str | None = None,
     out: str | Callable[..., tuple[Sequence[int], str]] | None = _UNSET,  # type: ignore[assignment]
     attrs: Mapping[str, str] | None = None,
     mutates: Sequence[str] = (),
@@ -742,12 +1004,16 @@ def kernel(
     backward: Any = None,
     vmap_method: str = "sequential",
 ) -> Any:
-    """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only)."""
+    """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only). ``name``
+    and ``namespace`` name its ops, ``torch.ops.<namespace>.<name>`` and the XLA FFI target
+    ``<namespace>.<name>``; by default the function's name and the top-level package of its
+    module."""
 
     def wrap(f: Callable[..., Any]) -> Kernel:
         return Kernel(
             f,
             name=name,
+            namespace=namespace,
             out=out,
             attrs=attrs,
             mutates=mutates,

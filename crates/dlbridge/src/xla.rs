@@ -1046,9 +1046,15 @@ impl<'a> RawAttr<'a> {
         let s = unsafe { &*s };
         if s.dtype != want {
             let got = data_type(s.dtype).map_or_else(|| format!("XLA type {}", s.dtype.0), |d| d.to_string());
+            // What to change, in the kernel author's terms: the declaration (a dlbridge kernel
+            // passes each attribute as the type its declaration names, whatever Python number the
+            // caller gave) or the handler's read; only a hand-written ffi_call passes its own.
+            let np = data_type(want).map_or_else(|| format!("XLA type {}", want.0), |d| d.to_string());
             return Err(FfiError::invalid_argument(format!(
-                "expected a {rust} scalar, got {got} (pass numpy.{rust_np}(value))",
-                rust_np = data_type(want).map_or_else(String::new, |d| d.to_string())
+                "the handler reads a {rust} scalar, but the call passed {got}: declare the attribute \
+                 \"{np}\" where the kernel is declared (KernelDef.attrs, kernel(attrs=...)), or read \
+                 it as the declared type in the handler (a jax.ffi.ffi_call of your own: pass \
+                 numpy.{np}(value))"
             )));
         }
         if s.value.is_null() {

@@ -434,10 +434,17 @@ fn attributes_are_read_by_name_and_type() {
     );
     f.call(attrs).unwrap();
     assert_eq!(out, [0.5, 7.0, 1.0, 4.0]);
-    // eps as float32: a type error naming the attribute.
+    // eps as float32: a type error naming the attribute and what to change in the kernel's
+    // declaration (a dlbridge kernel passes the declared type, whatever Python number it got).
     f.attrs[0] = scalar("eps", XLA_FFI_DataType::F32, 0.5f32);
     f.link();
-    invalid(f.call(attrs), &["attribute eps: expected a f64 scalar, got float32"]);
+    invalid(
+        f.call(attrs),
+        &[
+            "attribute eps: the handler reads a f64 scalar, but the call passed float32",
+            "declare the attribute \"float64\" where the kernel is declared (KernelDef.attrs",
+        ],
+    );
     // A bool that is not 0 or 1.
     f.attrs[0] = scalar("eps", XLA_FFI_DataType::F64, 0.5f64);
     f.attrs[3] = scalar("flag", XLA_FFI_DataType::PRED, 7u8);

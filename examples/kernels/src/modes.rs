@@ -304,6 +304,10 @@ pub(crate) fn add_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m,
         f("layer_norm")?,
         &KernelDef {
+            // The op's names (torch.ops.dlbridge_examples.layer_norm, XLA target
+            // dlbridge_examples.layer_norm); the others take the defaults: the function's name
+            // in the module's package (torch.ops.dlbridge_kernels.softmax).
+            namespace: Some("dlbridge_examples"),
             out: Some("x"),
             attrs: &[("eps", "float64")],
             ffi: Some(layer_norm_xla),

@@ -41,6 +41,36 @@ def test_the_module_functions_are_kernels():
     assert k.softmax.__doc__ and "softmax" in k.softmax.__doc__.lower()
 
 
+def test_the_author_names_the_ops_and_the_defaults_name_the_package_once():
+    """KernelDef.namespace names layer_norm's torch op and XLA target; the others are the
+    function's name in the module's package (before: dlbridge_kernels::k_dlbridge_kernels__softmax
+    and dlbridge.dlbridge_kernels.softmax)."""
+    assert k.layer_norm.torch_op is not None
+    assert torch.ops.dlbridge_examples.layer_norm.default is k.layer_norm._overload
+    assert k.layer_norm.target == "dlbridge_examples.layer_norm"
+    assert torch.ops.dlbridge_kernels.softmax.default is k.softmax._overload
+    assert torch.ops.dlbridge_kernels.saxpy_.default is k.saxpy_._overload
+    assert k.softmax.target == "dlbridge_kernels.softmax" and k.saxpy_.target == "dlbridge_kernels.saxpy_"
+    x = torch.randn(3, 4)
+    w, b = torch.ones(4), torch.zeros(4)
+    assert torch.allclose(torch.ops.dlbridge_examples.layer_norm(x, w, b, 1e-5), k.layer_norm(x, w, b))
+
+
+def test_help_shows_the_signature_and_the_docs():
+    import inspect
+    import pydoc
+
+    text = pydoc.render_doc(k.layer_norm, renderer=pydoc.plaintext)
+    assert "layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float64 = 1e-05) -> Tensor" in text
+    assert "Layer normalisation over the last axis" in text  # the function's own docs
+    assert "torch.ops.dlbridge_examples.layer_norm" in text and "'dlbridge_examples.layer_norm'" in text
+    sig = inspect.signature(k.saxpy_)
+    assert list(sig.parameters) == ["a", "x", "y"]
+    assert sig.parameters["a"].annotation == "float32"
+    assert sig.parameters["y"].annotation == "Tensor (written in place)"
+    assert "Backward: softmax_backward(out, grad) gives the gradient of x" in k.softmax.__doc__
+
+
 # --- jax.jit ---
 
 

@@ -227,3 +227,39 @@ def test_a_kernel_made_twice_gets_a_second_op():
     x = torch.zeros(2)
     for k in (a, b):
         assert torch.equal(torch.compile(lambda t, k=k: k(t) * 2, fullgraph=True)(x), torch.full((2,), 2.0))
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_the_author_names_the_op_and_its_namespace():
+    import torch
+
+    def twice(x):
+        return x * 2
+
+    n = next(_names)
+    k = kernel(twice, name=f"twice_{n}", namespace="reg_named")
+    assert k.namespace == "reg_named" and k.op_name == f"twice_{n}"
+    assert k.target == f"reg_named.twice_{n}"
+    op = getattr(torch.ops.reg_named, f"twice_{n}")
+    assert op.default is k._overload and torch.equal(op(torch.ones(2)), torch.full((2,), 2.0))
+    # A chosen name is never renamed (a jax.export or a saved graph names it): a second is refused.
+    with pytest.raises(ValueError, match=f"'reg_named.twice_{n}' is taken by another kernel"):
+        kernel(twice, name=f"twice_{n}", namespace="reg_named")
+    with pytest.raises(ValueError, match="namespace='a.b' is not a valid op namespace"):
+        kernel(twice, namespace="a.b")
+    with pytest.raises(ValueError, match="name='9x' is not a valid op name"):
+        kernel(twice, name="9x")
+    with pytest.raises(ValueError, match="namespace='aten' is reserved by torch"):
+        kernel(twice, namespace="aten")
+
+
+def test_the_default_names_are_the_function_in_its_package():
+    def twice(x):
+        return x * 2
+
+    twice.__module__ = "my_kernels.my_kernels"
+    twice.__name__ = f"rms_norm_{next(_names)}"
+    k = kernel(twice)
+    assert (k.namespace, k.op_name) == ("my_kernels", twice.__name__)
+    assert k.target == f"my_kernels.{twice.__name__}"
+    assert repr(k) == f"<dlbridge kernel my_kernels.{twice.__name__}>"

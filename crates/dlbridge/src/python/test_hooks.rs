@@ -26,6 +26,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_wrap_like, m)?)?;
     m.add_function(wrap_pyfunction!(_empty_like_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_from_vec_like, m)?)?;
+    m.add_function(wrap_pyfunction!(_numpy_from_vec, m)?)?;
     m.add_function(wrap_pyfunction!(_current_work_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_probe, m)?)?;
     m.add_function(wrap_pyfunction!(_typed_mut_probe, m)?)?;
@@ -267,6 +268,12 @@ fn _from_vec_like<'py>(like: &Bound<'py, PyAny>, n: usize) -> PyResult<(Bound<'p
     let v: Vec<f64> = (0..n).map(|i| i as f64).collect();
     let ptr = v.as_ptr() as usize;
     Ok((super::Framework::of(like)?.from_vec(like.py(), v, &[n])?, ptr))
+}
+
+/// `n` float32 zeros as the README returns a numpy result: `Framework::numpy(py)?.from_vec(...)`.
+#[pyfunction]
+fn _numpy_from_vec(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyAny>> {
+    super::Framework::numpy(py)?.from_vec(py, vec![0f32; n], &[n])
 }
 
 /// The current work stream `like`'s framework reports for `device` (0 for none).

@@ -34,6 +34,7 @@ use std::marker::PhantomData;
 use std::ptr::NonNull;
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
 use crate::device::Device;
@@ -68,14 +69,26 @@ impl Framework {
         Self { kind: Kind::Dlbridge }
     }
 
-    /// numpy: `numpy.ndarray` results (imports numpy).
+    /// numpy: `numpy.ndarray` results (imports numpy the first time; later calls read the
+    /// framework found then, so `Framework::numpy(py)?.from_vec(...)` costs no import).
     pub fn numpy(py: Python<'_>) -> PyResult<Self> {
-        Self::of_type(&py.import("numpy")?.getattr("ndarray")?.cast_into::<PyType>()?)
+        static NUMPY: PyOnceLock<Framework> = PyOnceLock::new();
+        NUMPY
+            .get_or_try_init(py, || {
+                Self::of_type(&py.import("numpy")?.getattr("ndarray")?.cast_into::<PyType>()?)
+            })
+            .copied()
     }
 
-    /// torch: `torch.Tensor` results (imports torch).
+    /// torch: `torch.Tensor` results (imports torch the first time; later calls read the
+    /// framework found then).
     pub fn torch(py: Python<'_>) -> PyResult<Self> {
-        Self::of_type(&py.import("torch")?.getattr("Tensor")?.cast_into::<PyType>()?)
+        static TORCH: PyOnceLock<Framework> = PyOnceLock::new();
+        TORCH
+            .get_or_try_init(py, || {
+                Self::of_type(&py.import("torch")?.getattr("Tensor")?.cast_into::<PyType>()?)
+            })
+            .copied()
     }
 
     /// A short name: `dlbridge`, `numpy`, `exchange table`, or the function used.

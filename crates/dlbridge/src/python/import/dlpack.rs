@@ -73,13 +73,40 @@ fn refused(obj: &Bound<'_, PyAny>, method: &str, e: PyErr) -> PyErr {
         return e;
     }
     let kind = e.get_type(py).qualname().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
-    let err = PyBufferError::new_err(format!(
-        "{}.{method}() refused the export ({kind}: {})",
-        type_name(obj),
-        e.value(py)
-    ));
+    let err = if is_jax_tracer(obj) {
+        // Not the producer's fault: a traced value has no memory to export. Say what to change.
+        let first = e.value(py).to_string();
+        let first = first.lines().next().unwrap_or_default().to_owned();
+        PyBufferError::new_err(format!(
+            "got a jax tracer (a value inside jax.jit, vmap or grad, which has no memory yet): a \
+             Rust function cannot read it there; register the function as a kernel to use it inside \
+             jax.jit (dlbridge::python::add_kernel with an XLA FFI handler, or \
+             dlbridge.kernels.kernel(fn, ffi=...)), or call it outside the traced function \
+             ({}.{method}() raised {kind}: {first})",
+            type_name(obj)
+        ))
+    } else {
+        PyBufferError::new_err(format!(
+            "{}.{method}() refused the export ({kind}: {})",
+            type_name(obj),
+            e.value(py)
+        ))
+    };
     err.set_cause(py, Some(e));
     err
+}
+
+/// Whether `obj` is a jax tracer (jax imported, and `obj` an instance of `jax.core.Tracer`).
+/// Asked only once an export failed.
+fn is_jax_tracer(obj: &Bound<'_, PyAny>) -> bool {
+    let py = obj.py();
+    let tracer = || -> PyResult<bool> {
+        let Some(jax) = py.import("sys")?.getattr("modules")?.get_item("jax").ok() else {
+            return Ok(false);
+        };
+        obj.is_instance(&jax.getattr("core")?.getattr("Tracer")?)
+    };
+    tracer().unwrap_or(false)
 }
 
 /// Reads `__dlpack_device__()`'s `(type, id)` result.

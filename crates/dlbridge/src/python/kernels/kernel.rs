@@ -28,6 +28,15 @@ pub fn xla_capsule(py: Python<'_>, handler: XLA_FFI_Handler) -> PyResult<Bound<'
 /// `dlbridge.kernels.kernel` of the same name.
 #[derive(Debug, Clone, Copy)]
 pub struct KernelDef<'a> {
+    /// The op's name: `torch.ops.<namespace>.<name>`, XLA FFI target `<namespace>.<name>`, and
+    /// the module attribute the kernel is added as. `None`: the function's name. Letters, digits
+    /// and underscores, a letter first.
+    pub name: Option<&'a str>,
+    /// The op's namespace. `None`: the top-level package of the function's module (`my_kernels`
+    /// for a function of `my_kernels` or `my_kernels.my_kernels`). Named by the author, the op
+    /// and target keep their names (a `jax.export` or a saved torch graph may name them), and a
+    /// second kernel of the same names is refused.
+    pub namespace: Option<&'a str>,
     /// The output rule: `Some("x")` (shape and dtype of tensor argument `x`); `None` for a
     /// kernel that only writes its `mutates` argument (it returns that argument).
     pub out: Option<&'a str>,
@@ -46,13 +55,23 @@ pub struct KernelDef<'a> {
 
 impl Default for KernelDef<'_> {
     fn default() -> Self {
-        Self { out: None, attrs: &[], mutates: &[], ffi: None, vmap_method: "sequential" }
+        Self {
+            name: None,
+            namespace: None,
+            out: None,
+            attrs: &[],
+            mutates: &[],
+            ffi: None,
+            vmap_method: "sequential",
+        }
     }
 }
 
 /// Makes `function` (a `#[pyfunction]` of this module) a `dlbridge.kernels.Kernel` as `def` says,
 /// with `backward` (a `(kernel, args, grads)` tuple or a callable, as `dlbridge.kernels` reads
-/// it), and adds it to `module` under the function's name. Returns the kernel.
+/// it), and adds it to `module` under its name (`def.name`, else the function's). Returns the
+/// kernel; `help(kernel)` shows its signature (tensors, attributes with their types and
+/// defaults), the function's docs, its torch op and XLA target.
 ///
 /// Without a backward, gradients through the kernel are refused, never cut off silently: torch
 /// autograd raises at backward ("no autograd formula"), `jax.grad` raises that the FFI call
@@ -76,8 +95,10 @@ pub fn add_kernel<'py>(
     }
     kw.set_item("backward", backward)?;
     kw.set_item("vmap_method", def.vmap_method)?;
-    let name: String = function.getattr("__name__")?.extract()?;
+    kw.set_item("name", def.name)?;
+    kw.set_item("namespace", def.namespace)?;
     let kernel = kernels.getattr("kernel")?.call((function,), Some(&kw))?;
+    let name: String = kernel.getattr("__name__")?.extract()?;
     module.add(name.as_str(), &kernel)?;
     Ok(kernel)
 }
