@@ -73,6 +73,10 @@ _JAX_TARGETS: dict[str, Any] = {}
 _TARGET_NAMES: set[str] = set()
 _PENDING_TORCH: list[Kernel] = []
 _PENDING_JAX: list[Kernel] = []
+# A kernel declared from Rust with an XLA handler (dlbridge::python::add_kernel) can be a native
+# torch op: its ffi capsule -> the private Rust function that defines the op through torch's
+# stable C ABI, called once, when the kernel's torch op is made (see _make_torch_op).
+_NATIVE_OPS: dict[Any, Callable[..., str | None]] = {}
 
 
 def _no_grad_mode() -> bool:
@@ -423,49 +427,65 @@ class Kernel:
             copy += 1
             opname = f"{base}_{copy}"
 
-        if functional:
+        op: Any = None
+        autograd_target: Any = None
+        register_native = _NATIVE_OPS.pop(self._ffi, None) if self._ffi is not None else None
+        if register_native is not None:
+            # The native op (CPU kernel: the XLA handler; Meta kernel: the output rule), under
+            # the name the Python op would have; None where this torch cannot host it (why not:
+            # _native_fallback), and the Python op is made instead.
+            defaults = {
+                n: d for n, d in zip(self._params, self._defaults, strict=True) if n in self._attrs and d is not _EMPTY
+            }
+            self._native_fallback = register_native(_NAMESPACE, opname, self._params, defaults)
+            if self._native_fallback is None:
+                op = getattr(namespace, opname)
+                autograd_target = _LibraryOp(torch, f"{_NAMESPACE}::{opname}")
+        if op is None:
+            if functional:
 
-            def impl(*vals: Any) -> Any:
-                return fn(*vals)
-        else:
-
-            def impl(*vals: Any) -> Any:
-                fn(*vals)
-                return None
-
-        op = torch.library.custom_op(
-            f"{_NAMESPACE}::{opname}", impl, mutates_args=self._mutates, schema=schema
-        )
-        out = self._out
-        if functional:
-            rule = out.rule
-            if rule is not None:
-                tensor_idx = self._tensor_idx
-
-                def fake(*vals: Any) -> Any:
-                    shape, dtype = rule(*[vals[i] for i in tensor_idx])
-                    return vals[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
+                def impl(*vals: Any) -> Any:
+                    return fn(*vals)
             else:
-                like: Any = out.like
+
+                def impl(*vals: Any) -> Any:
+                    fn(*vals)
+                    return None
+
+            op = torch.library.custom_op(
+                f"{_NAMESPACE}::{opname}", impl, mutates_args=self._mutates, schema=schema
+            )
+            out = self._out
+            if functional:
+                rule = out.rule
+                if rule is not None:
+                    tensor_idx = self._tensor_idx
+
+                    def fake(*vals: Any) -> Any:
+                        shape, dtype = rule(*[vals[i] for i in tensor_idx])
+                        return vals[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
+                else:
+                    like: Any = out.like
+
+                    def fake(*vals: Any) -> Any:
+                        x = vals[like]
+                        return x.new_empty(x.shape)
+            else:
 
                 def fake(*vals: Any) -> Any:
-                    x = vals[like]
-                    return x.new_empty(x.shape)
-        else:
+                    return None
 
-            def fake(*vals: Any) -> Any:
-                return None
-
-        op.register_fake(fake)
+            op.register_fake(fake)
+            autograd_target = op
         if self._backward is not None:
-            self._register_torch_autograd(torch, op)
+            self._register_torch_autograd(torch, autograd_target)
         elif functional:
             # torch's default for a custom op without autograd raises at backward too; this one
             # says what to do in dlbridge's terms. (An in-place kernel refuses at the call.)
             def no_backward(ctx: Any, *grads: Any) -> Any:
                 raise RuntimeError(self._no_backward_message())
 
-            op.register_autograd(no_backward)
+            autograd_target.register_autograd(no_backward)
         self._op = op
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
@@ -611,6 +631,20 @@ class Kernel:
 
         f.defvjp(fwd, bwd)
         return f
+
+
+class _LibraryOp:
+    """A natively defined op's ``register_autograd``, as a custom op has it (autograd has no
+    stable C API: its formula stays Python, registered on the native op)."""
+
+    __slots__ = ("qualname", "torch")
+
+    def __init__(self, torch: Any, qualname: str) -> None:
+        self.torch = torch
+        self.qualname = qualname
+
+    def register_autograd(self, backward: Any, /, *, setup_context: Any = None) -> None:
+        self.torch.library.register_autograd(self.qualname, backward, setup_context=setup_context)
 
 
 _FIRST_ORDER: Any = None

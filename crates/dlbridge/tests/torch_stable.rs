@@ -534,3 +534,65 @@ fn an_op_made_at_run_time_gets_a_slot() {
     let err = dlbridge::torch_stable::xla::register_op(t, NS, bad).unwrap_err();
     assert!(matches!(&err, Error::Invalid(m) if m.contains("argument a has no attribute type")), "{err}");
 }
+
+#[test]
+fn scalar_defaults_are_in_the_schema_and_checked() {
+    const ARGS: &[(&str, ArgKind)] =
+        &[("x", ArgKind::Tensor), ("a", ArgKind::Float), ("n", ArgKind::Int), ("b", ArgKind::Bool)];
+    let sig = OpSignature::new("d", ARGS, &[ArgKind::Tensor]).with_defaults(&[("a", "1e-05"), ("b", "True")]);
+    assert_eq!(sig.schema().unwrap(), "d(Tensor x, float a=1e-05, int n, bool b=True) -> Tensor");
+    let leaked = OpSignature::new("d", ARGS, &[]).leak_defaults(&[("n", "-3")]);
+    assert_eq!(leaked.schema().unwrap(), "d(Tensor x, float a, int n=-3, bool b) -> ()");
+    for (bad, why) in [
+        (&[("z", "1")][..], "no such argument"),
+        (&[("x", "1")][..], "kind Tensor"),
+        (&[("a", "inf")][..], "kind Float"),
+        (&[("n", "1.5")][..], "kind Int"),
+        (&[("b", "true")][..], "kind Bool"),
+    ] {
+        let sig = OpSignature::new("d", ARGS, &[]).leak_defaults(bad);
+        assert!(
+            matches!(sig.schema(), Err(Error::Invalid(ref m)) if m.contains(why)),
+            "{bad:?}: {:?}",
+            sig.schema()
+        );
+    }
+    assert!(Error::Invalid(String::new()).is_unsupported());
+    assert!(Error::Missing { symbol: "torch_library_impl", torch: "2.9.0".into() }.is_unsupported());
+    assert!(!Error::Call { function: "f", message: String::new() }.is_unsupported());
+}
+
+/// The data pointers and sizes of the tensors the version-bump hook was called with.
+static BUMPED: std::sync::Mutex<Vec<(usize, i64)>> = std::sync::Mutex::new(Vec::new());
+
+/// A hook recording what it was called with (a stand-in for torch's C++ bump, which a process
+/// without Python's torch cannot verify).
+unsafe fn recording_bump(h: dlbridge::torch_stable::sys::AtenTensorHandle) {
+    let t = Torch::get().expect("a kernel runs only with torch loaded");
+    // SAFETY: the hook's contract: a live handle, which this borrows and never frees.
+    let borrowed = std::mem::ManuallyDrop::new(unsafe { Tensor::from_raw(t, h) }.expect("not NULL"));
+    BUMPED.lock().unwrap().push((borrowed.data_ptr().unwrap() as usize, borrowed.numel().unwrap()));
+}
+
+#[test]
+fn an_in_place_op_calls_the_version_bump_on_its_written_argument_once() {
+    let Some(t) = setup() else { return };
+    // SAFETY: recording_bump only reads the data pointer of the live handle it is given.
+    unsafe { dlbridge::torch_stable::set_version_bump(recording_bump) };
+    assert!(dlbridge::torch_stable::has_version_bump());
+    // 7 elements: no other test's tensor (other tests run meanwhile, and may reuse an address).
+    let x = filled(t, &[1.0; 7]);
+    let y = filled(t, &[3.0; 7]);
+    let args = vec![
+        Value::Tensor(x.new_handle().unwrap()),
+        Value::Tensor(y.new_handle().unwrap()),
+        Value::Float(1.0),
+    ];
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::saxpy_", "", args, &[]) }.unwrap().is_empty());
+    let bumped = BUMPED.lock().unwrap();
+    let y_ptr = (y.data_ptr().unwrap() as usize, 7);
+    assert_eq!(bumped.iter().filter(|&&p| p == y_ptr).count(), 1, "{bumped:?}");
+    assert!(!bumped.contains(&(x.data_ptr().unwrap() as usize, 7)));
+    assert_eq!(f32s(&y), [4.0; 7]);
+}

@@ -117,6 +117,50 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+impl Error {
+    /// Whether this process cannot host the op natively, so that a caller with another way
+    /// (a Python custom op) takes it: no libtorch loaded ([`Error::NotLoaded`]), a function this
+    /// torch lacks ([`Error::Missing`]), or an op this module cannot express
+    /// ([`Error::Invalid`]: too many arguments, a default it cannot write, the runtime slots
+    /// used up). A torch call that failed ([`Error::Call`]) is not: torch refused the op.
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, Self::NotLoaded { .. } | Self::Missing { .. } | Self::Invalid(_))
+    }
+}
+
+/// A function bumping a tensor's version counter (what torch's in-place operations do), given
+/// its `AtenTensorHandle` (an `at::Tensor*`). The stable ABI has none; see [`set_version_bump`].
+pub type VersionBump = unsafe fn(sys::AtenTensorHandle);
+
+static VERSION_BUMP: OnceLock<VersionBump> = OnceLock::new();
+
+/// Installs the function the CPU kernel of an op that writes a `Tensor(a!)` argument calls on
+/// that argument after a successful call ([`xla`]): torch's `ADInplaceOrView` fallback is a
+/// fallthrough for natively registered ops, so without it an eager in-place call leaves
+/// `_version` unchanged. Whoever can reach torch's C++ bump (dlbridge's Python layer, through
+/// its verified symbols) installs it; without one nothing is bumped. The first one installed
+/// stays; returns whether this one was.
+///
+/// # Safety
+///
+/// `bump(h)`, for `h` a live `AtenTensorHandle` of a defined tensor of this process's libtorch,
+/// called on any thread, with or without Python's GIL, must do nothing but add one to the
+/// tensor's version counter where it has one (nothing where it has none, e.g. an inference
+/// tensor), and must neither unwind nor throw.
+pub unsafe fn set_version_bump(bump: VersionBump) -> bool {
+    VERSION_BUMP.set(bump).is_ok()
+}
+
+/// Whether a version bump is installed ([`set_version_bump`]).
+pub fn has_version_bump() -> bool {
+    VERSION_BUMP.get().is_some()
+}
+
+/// The installed version bump, if any ([`set_version_bump`]).
+fn version_bump() -> Option<VersionBump> {
+    VERSION_BUMP.get().copied()
+}
+
 /// The result of this module's functions.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

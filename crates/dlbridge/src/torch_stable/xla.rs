@@ -671,6 +671,17 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
             args.tensor(*i)?.copy_from(tensor)?;
         }
     }
+    // What torch's ADInplaceOrView kernel would do (a fallthrough for a native op).
+    if let Some(bump) = super::version_bump() {
+        for (i, &(_, kind)) in sig.args().iter().enumerate() {
+            if kind == ArgKind::TensorMut {
+                // SAFETY: a live handle (a Tensor's invariant) of a defined tensor (its device and
+                // dtype were read above, which fails for an undefined one): all the installer's
+                // contract asks.
+                unsafe { bump(args.tensor(i)?.as_raw()) };
+            }
+        }
+    }
     for (i, t) in fresh.into_iter().take(n_fresh).enumerate() {
         outs.set(i, Value::Tensor(t.expect("the first n_fresh are set")))?;
     }

@@ -336,6 +336,49 @@ impl AtenBits {
     }
 }
 
+/// The verified version-counter functions, for [`bump_handle`], which runs without the GIL
+/// (inside a native torch op): set once, from verified [`Versions`].
+#[cfg(all(feature = "torch-stable", unix))]
+static NATIVE_BUMP: std::sync::OnceLock<(CounterFn, TensorFn)> = std::sync::OnceLock::new();
+
+/// Installs [`crate::torch_stable::set_version_bump`]'s hook: torch's own bump (the verified
+/// `torch::autograd::impl::bump_version`), made only where the tensor has a counter, so a native
+/// op that writes an argument in place bumps its `_version` as torch's in-place operations do.
+/// Runs the one-time search if it has not run (torch imported). Returns whether the hook is
+/// torch's bump (`false`: the symbols were not found or not verified; nothing is bumped then).
+#[cfg(all(feature = "torch-stable", unix))]
+pub(crate) fn install_native_version_bump(py: Python<'_>) -> bool {
+    let Some(v) = aten_bits(py).and_then(|b| b.versions.as_ref()) else { return false };
+    let fns = *NATIVE_BUMP.get_or_init(|| (v.version_counter, v.bump_version));
+    // SAFETY: bump_handle meets the hook's contract: given a live handle of a defined tensor (an
+    // `at::Tensor*`, what both verified functions take), it reads the tensor's counter and bumps
+    // only where there is one, so torch's bump cannot throw (it throws only for a missing
+    // counter outside inference mode); neither touches Python. The installed hook may be this
+    // same function from another search of this copy of the crate: the first stays.
+    let _ = unsafe { crate::torch_stable::set_version_bump(bump_handle) };
+    NATIVE_BUMP.get() == Some(&fns) && crate::torch_stable::has_version_bump()
+}
+
+/// [`install_native_version_bump`]'s hook.
+///
+/// # Safety
+///
+/// `t` is a live `AtenTensorHandle` (an `at::Tensor*`) of a defined tensor.
+#[cfg(all(feature = "torch-stable", unix))]
+unsafe fn bump_handle(t: crate::torch_stable::sys::AtenTensorHandle) {
+    if let Some(&(counter, bump)) = NATIVE_BUMP.get() {
+        let t = t.cast_const().cast::<c_void>();
+        // SAFETY: the caller's promise; the verified function returns a reference to the
+        // tensor's `VariableVersion`, whose first word is the counter's pointer (NULL: none),
+        // and the bump runs only where it is not NULL (see `Versions::has_counter`).
+        unsafe {
+            if !(*counter(t)).is_null() {
+                bump(t);
+            }
+        }
+    }
+}
+
 /// Finds the kernels and checks them on probe tensors; `Ok(None)` when anything does not
 /// hold (no torch, another layout, a symbol missing, a disagreement).
 fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
