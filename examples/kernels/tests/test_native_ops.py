@@ -149,3 +149,42 @@ def test_kernels_made_before_torch_become_native_when_torch_comes():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "native after import" in out.stdout, out.stderr
+
+
+def test_an_aoti_package_runs_the_native_op_in_a_fresh_process(tmp_path):
+    # Built in one process, run in another that imported the extension (which registers the op:
+    # the package calls it through torch's dispatcher); no Python of the kernel runs inside.
+    package = str(tmp_path / "saxpy.pt2")
+    build = textwrap.dedent(
+        f"""
+        import torch, dlbridge_kernels as k
+        class M(torch.nn.Module):
+            def forward(self, x, y):
+                return k.saxpy(2.0, x, y) * 3
+        x, y = torch.randn(6), torch.randn(6)
+        ep = torch.export.export(M(), (x, y))
+        torch._inductor.aoti_compile_and_package(ep, package_path={package!r})
+        torch.save((x, y, M()(x, y)), {package!r} + ".inputs")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = textwrap.dedent(
+        f"""
+        import sys, torch, dlbridge_kernels, dlbridge.kernels
+        x, y, expected = torch.load({package!r} + ".inputs")
+        m = torch._inductor.aoti_load_package({package!r})
+        torch.testing.assert_close(m(x, y), expected)
+        seen = []
+        def profile(frame, event, arg):
+            if event == "call":
+                seen.append(frame.f_code.co_filename)
+        sys.setprofile(profile)
+        m(x, y)
+        sys.setprofile(None)
+        assert dlbridge.kernels.__file__ not in seen and not [f for f in seen if "custom_ops.py" in f], seen
+        print("package ran")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "package ran" in out.stdout, out.stderr[-3000:]
