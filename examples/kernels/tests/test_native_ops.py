@@ -70,8 +70,18 @@ def test_no_python_of_the_kernel_runs_inside_a_compiled_call():
     torch.testing.assert_close(f(x, y), (0.5 * x + y) * 2)
     frames = python_frames(lambda: f(x, y))
     # The compiled wrapper is Python; the op inside it is not (the Python op ran kernels.py's
-    # impl and torch's custom-op machinery on each call).
+    # impl and torch's custom-op machinery on each call). With grad mode on, the op's autograd
+    # kernel is Python (autograd has no stable C API: torch.library.register_autograd), and
+    # runs before the native kernel even when no input requires grad.
     assert not [f for f in frames if f.startswith(KERNELS_PY) or "custom_ops.py" in f], frames
+    assert [f for f in frames if f.endswith("torch/_library/autograd.py:autograd_impl")], frames
+    # Under inference mode there is no autograd key: nothing of torch.library runs either.
+    with torch.inference_mode():
+        g = torch.compile(lambda x, y: k.saxpy(0.5, x, y) * 2, fullgraph=True)
+        xi, yi = torch.randn(6), torch.randn(6)
+        torch.testing.assert_close(g(xi, yi), (0.5 * xi + yi) * 2)
+        frames = python_frames(lambda: g(xi, yi))
+    assert not [f for f in frames if f.startswith(KERNELS_PY) or "torch/_library/" in f], frames
 
 
 def test_opcheck_passes_on_the_native_ops():
