@@ -10,6 +10,11 @@
 //! - `empty(Tensor x) -> ()`: a kernel that does nothing (the cost of a call), and
 //!   `empty_xla(Tensor x) -> ()`: the same through the XLA adapter;
 //! - `fails(Tensor x, str why) -> Tensor`: a kernel that refuses with `why` (a `RuntimeError`).
+//!
+//! And `empty_like`, a `dlbridge.kernels` kernel made by `add_kernel` (an empty body returning a
+//! new float32 tensor like `x`), which `dlbridge.kernels` makes a native op by itself (namespace
+//! `dlbridge_kernels`): `bench_empty.py --kernels` compares it with the same kernel as a Python
+//! custom op.
 
 use dlbridge::DataType;
 use dlbridge::spec::Rank;
@@ -74,6 +79,25 @@ dlbridge::xla_handler! {
         }
         Ok(())
     }
+}
+
+dlbridge::xla_handler! {
+    /// `empty_like`'s handler: its operand and result decoded, nothing computed.
+    fn empty_like_xla(call, operands: 1, results: 1) {
+        call.input_any(0, "x")?;
+        call.output_any(0, "out")?;
+        Ok(())
+    }
+}
+
+/// `empty_like(x)`: a new uninitialised float32 tensor like `x`, of x's framework (the eager
+/// body of an empty kernel).
+#[pyfunction]
+fn empty_like(
+    py: Python<'_>,
+    x: dlbridge::python::TensorRef<'_, f32>,
+) -> PyResult<dlbridge::python::Output<f32>> {
+    x.empty_like::<f32>(py)
 }
 
 dlbridge::xla_handler! {
@@ -169,5 +193,13 @@ fn register(py: Python<'_>) -> PyResult<String> {
 
 #[pymodule]
 fn dlbridge_torch_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(register, m)?)
+    m.add_function(wrap_pyfunction!(register, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_like, m)?)?;
+    let def = dlbridge::python::KernelDef {
+        out: Some("x"),
+        ffi: Some(empty_like_xla),
+        ..dlbridge::python::KernelDef::default()
+    };
+    dlbridge::python::add_kernel(m, m.getattr("empty_like")?, &def, None)?;
+    Ok(())
 }

@@ -163,3 +163,14 @@ def test_a_process_without_torch_is_told_so():
     assert out.returncode == 0, out.stderr
     assert "refused: libtorch (libtorch_cpu.so) is not available" in out.stdout, out.stdout
     assert "import torch first" in out.stdout
+
+
+def test_a_kernel_made_by_add_kernel_is_a_native_op():
+    # empty_like: add_kernel with a handler; dlbridge.kernels registers it natively by itself.
+    k = native.empty_like
+    assert k._native_fallback is None
+    assert isinstance(k.torch_op, torch._ops.OpOverloadPacket)
+    x = torch.ones(2, 3)
+    with torch.inference_mode():
+        out = k.torch_op(x)
+    assert out.shape == (2, 3) and out.dtype == torch.float32 and out.data_ptr() != x.data_ptr()
