@@ -110,6 +110,13 @@ def test_the_in_place_native_op_bumps_the_version_counter():
     k.saxpy_._overload(2.0, x, y)
     assert y._version == before + 1
     torch.testing.assert_close(y, 2.0 * x + 1)
+    with torch.inference_mode():
+        z = torch.ones(3)
+    # An inference tensor outside inference mode: refused before the write, as torch refuses
+    # z.add_(1) (the Python op's wrapper refused it too).
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        k.saxpy_._overload(2.0, x, z)
+    torch.testing.assert_close(z, torch.ones(3))
 
 
 def test_export_calls_the_native_op_without_python():

@@ -4,7 +4,7 @@
 //!
 //! - `saxpy(Tensor x, Tensor y, float a) -> Tensor` (`a * x + y`, float32 or float64) and
 //!   `saxpy_(Tensor x, Tensor(a!) y, float a) -> ()` (`y += a * x`, float32, bumping `y`'s
-//!   version counter through `dlbridge::python::install_torch_version_bump`): their CPU kernel
+//!   version counter through `dlbridge::python::install_torch_version_hooks`): their CPU kernel
 //!   is the XLA FFI handler `jax.jit` would call, run through the adapter; their Meta kernel the
 //!   output rule;
 //! - `empty(Tensor x) -> ()`: a kernel that does nothing (the cost of a call), and
@@ -182,7 +182,7 @@ fn register(py: Python<'_>) -> PyResult<String> {
     // saxpy_ writes y in place: its version counter is bumped through torch's C++ bump (the
     // stable ABI has none), found by dlbridge's Python layer. Outside the OnceLock: it runs
     // Python (its probes), and another thread may wait on the lock holding the GIL.
-    dlbridge::python::install_torch_version_bump(py);
+    dlbridge::python::install_torch_version_hooks(py);
     let r = DONE.get_or_init(|| {
         let torch = Torch::attach().map_err(|e| e.to_string())?;
         registered(torch).map_err(|e| e.to_string())?;

@@ -59,6 +59,11 @@ def test_in_place_bumps_the_version_counter(ops):
         ops.saxpy_(torch.ones(3), z, 1.0)
     torch.testing.assert_close(z, torch.full((3,), 2.0))
     torch.testing.assert_close(y, torch.full((3,), 3.0))
+    # Outside inference mode, an inference tensor is refused before anything is written (torch
+    # refuses z.add_(1) there too).
+    with pytest.raises(RuntimeError, match="saxpy_: y: an inference tensor cannot be written in place outside"):
+        ops.saxpy_(torch.ones(3), z, 1.0)
+    torch.testing.assert_close(z, torch.full((3,), 2.0))
 
 
 def test_errors_are_runtime_errors_naming_the_op(ops):

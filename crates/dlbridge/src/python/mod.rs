@@ -35,7 +35,7 @@ pub use import::{
     from_dlpack_with,
 };
 #[cfg(all(feature = "torch-stable", unix))]
-pub use kernels::install_torch_version_bump;
+pub use kernels::install_torch_version_hooks;
 pub use kernels::{HostSpec, KernelDef, TensorMut, TensorRef, TensorView, add_kernel, xla_capsule};
 pub use runtime::{
     DLTENSOR, DLTENSOR_VERSIONED, PyDType, PyDevice, PyOwner, Tensor, USED_DLTENSOR, USED_DLTENSOR_VERSIONED,

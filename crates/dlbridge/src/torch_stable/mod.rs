@@ -128,37 +128,47 @@ impl Error {
     }
 }
 
-/// A function bumping a tensor's version counter (what torch's in-place operations do), given
-/// its `AtenTensorHandle` (an `at::Tensor*`). The stable ABI has none; see [`set_version_bump`].
-pub type VersionBump = unsafe fn(sys::AtenTensorHandle);
+/// torch's version-counter rules for a tensor an op writes in place (`Tensor(a!)`), which the
+/// stable ABI lacks; see [`set_version_hooks`]. Each function gets the tensor's
+/// `AtenTensorHandle` (an `at::Tensor*`).
+#[derive(Debug, Clone, Copy)]
+pub struct VersionHooks {
+    /// Whether the tensor may be written now: `false` for one without a version counter (an
+    /// inference tensor) while inference mode is off, which torch refuses.
+    pub may_write: unsafe fn(sys::AtenTensorHandle) -> bool,
+    /// Adds one to the tensor's version counter, where it has one.
+    pub bump: unsafe fn(sys::AtenTensorHandle),
+}
 
-static VERSION_BUMP: OnceLock<VersionBump> = OnceLock::new();
+static VERSION_HOOKS: OnceLock<VersionHooks> = OnceLock::new();
 
-/// Installs the function the CPU kernel of an op that writes a `Tensor(a!)` argument calls on
-/// that argument after a successful call ([`xla`]): torch's `ADInplaceOrView` fallback is a
-/// fallthrough for natively registered ops, so without it an eager in-place call leaves
-/// `_version` unchanged. Whoever can reach torch's C++ bump (dlbridge's Python layer, through
-/// its verified symbols) installs it; without one nothing is bumped. The first one installed
-/// stays; returns whether this one was.
+/// Installs the functions the CPU kernel of an op that writes a `Tensor(a!)` argument calls on
+/// that argument ([`xla`]): `may_write` before the handler runs (`false` refuses the call, as
+/// torch refuses writing an inference tensor outside inference mode), `bump` after it succeeded.
+/// torch's `ADInplaceOrView` fallback is a fallthrough for natively registered ops, so without
+/// them an eager in-place call leaves `_version` unchanged and writes an inference tensor
+/// anywhere. Whoever can reach torch's C++ functions (dlbridge's Python layer, through its
+/// verified symbols) installs them; without them nothing is checked or bumped. The first ones
+/// installed stay; returns whether these were.
 ///
 /// # Safety
 ///
-/// `bump(h)`, for `h` a live `AtenTensorHandle` of a defined tensor of this process's libtorch,
-/// called on any thread, with or without Python's GIL, must do nothing but add one to the
-/// tensor's version counter where it has one (nothing where it has none, e.g. an inference
-/// tensor), and must neither unwind nor throw.
-pub unsafe fn set_version_bump(bump: VersionBump) -> bool {
-    VERSION_BUMP.set(bump).is_ok()
+/// Each function, given a live `AtenTensorHandle` of a defined tensor of this process's
+/// libtorch, on any thread, with or without Python's GIL, must do nothing but what its field
+/// says (read the tensor's counter and the thread's inference mode; add one to the counter), and
+/// must neither unwind nor throw.
+pub unsafe fn set_version_hooks(hooks: VersionHooks) -> bool {
+    VERSION_HOOKS.set(hooks).is_ok()
 }
 
-/// Whether a version bump is installed ([`set_version_bump`]).
-pub fn has_version_bump() -> bool {
-    VERSION_BUMP.get().is_some()
+/// Whether version hooks are installed ([`set_version_hooks`]).
+pub fn has_version_hooks() -> bool {
+    VERSION_HOOKS.get().is_some()
 }
 
-/// The installed version bump, if any ([`set_version_bump`]).
-fn version_bump() -> Option<VersionBump> {
-    VERSION_BUMP.get().copied()
+/// The installed version hooks, if any.
+fn version_hooks() -> Option<VersionHooks> {
+    VERSION_HOOKS.get().copied()
 }
 
 /// The result of this module's functions.

@@ -9,6 +9,6 @@ mod view;
 
 pub use kernel::{KernelDef, add_kernel, xla_capsule};
 #[cfg(all(feature = "torch-stable", unix))]
-pub use native::install_torch_version_bump;
+pub use native::install_torch_version_hooks;
 pub use typed::{HostSpec, TensorMut, TensorRef};
 pub use view::TensorView;

@@ -4,30 +4,31 @@
 //! `dlbridge.kernels` calls [`registrar`]'s function, which defines the op through torch's stable
 //! C ABI ([`crate::torch_stable::xla::register_op`]) under the name the Python op would have: the
 //! handler is its CPU kernel, the output rule (`out`: like a parameter) its Meta kernel, and an
-//! in-place argument's version counter is bumped through torch's C++ bump (import's
-//! `torch_bits.rs`, [`install_torch_version_bump`]). Where the process cannot host it
+//! in-place argument's version counter is checked and bumped through torch's C++ functions (import's
+//! `torch_bits.rs`, [`install_torch_version_hooks`]). Where the process cannot host it
 //! ([`Error::is_unsupported`]: no libtorch, a stable function missing, more than one argument
-//! written in place, no verified bump for an in-place kernel, ...) the Python custom op stays,
+//! written in place, no verified version hooks for an in-place kernel, ...) the Python custom op stays,
 //! as for a kernel without a handler.
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
 
-use crate::python::import::install_native_version_bump;
+use crate::python::import::install_native_version_hooks;
 use crate::torch_stable::xla::{AttrType, OutRule, XlaOp, register_op};
 use crate::torch_stable::{ArgKind, Error, Torch};
 use crate::xla_ffi::XLA_FFI_Handler;
 
-/// Installs [`crate::torch_stable::set_version_bump`]'s hook from torch's own C++ bump (found
-/// and checked on probe tensors in the process's libtorch, the symbols dlbridge's torch import
-/// uses), so a native op that writes a `Tensor(a!)` argument bumps its `_version` eagerly as
-/// torch's in-place operations do. [`super::add_kernel`]'s native ops install it themselves; an
-/// extension registering ops through [`crate::torch_stable`] by hand calls it once torch is
-/// imported. Returns whether the hook is torch's bump (`false`: torch is not imported, or its
-/// symbols were not found or did not pass the checks; nothing is bumped then).
-pub fn install_torch_version_bump(py: Python<'_>) -> bool {
-    install_native_version_bump(py)
+/// Installs [`crate::torch_stable::set_version_hooks`]'s functions from torch's own C++ ones
+/// (found and checked on probe tensors in the process's libtorch: the symbols dlbridge's torch
+/// import uses), so a native op that writes a `Tensor(a!)` argument refuses an inference tensor
+/// outside inference mode and bumps `_version` as torch's in-place operations do.
+/// [`super::add_kernel`]'s native ops install them themselves; an extension registering ops
+/// through [`crate::torch_stable`] by hand calls it once torch is imported. Returns whether
+/// they are installed (`false`: torch is not imported, or its symbols were not found or did not
+/// pass the checks; nothing is checked or bumped then).
+pub fn install_torch_version_hooks(py: Python<'_>) -> bool {
+    install_native_version_hooks(py)
 }
 
 /// What a kernel's declaration says of its native op (the parameters' order and defaults
@@ -127,7 +128,7 @@ pub(super) fn register(py: Python<'_>, ns: &str, op: Result<XlaOp, Error>) -> Re
         let op = op?;
         let torch = Torch::attach()?;
         if op.signature.args().iter().any(|(_, k)| *k == ArgKind::TensorMut)
-            && !install_native_version_bump(py)
+            && !install_native_version_hooks(py)
         {
             return Err(Error::Invalid(format!(
                 "{}: writes an argument in place, but this torch's version bump was not found",
