@@ -75,7 +75,7 @@ _PENDING_TORCH: list[Kernel] = []
 _PENDING_JAX: list[Kernel] = []
 # A kernel declared from Rust with an XLA handler (dlbridge::python::add_kernel) can be a native
 # torch op: its ffi capsule -> the private Rust function that defines the op through torch's
-# stable C ABI, called once, when the kernel's torch op is made (see _make_torch_op).
+# stable C ABI, called once, when the kernel's torch op is made (see _native_torch_op).
 _NATIVE_OPS: dict[Any, Callable[..., str | None]] = {}
 
 
@@ -427,56 +427,47 @@ class Kernel:
             copy += 1
             opname = f"{base}_{copy}"
 
-        op: Any = None
-        autograd_target: Any = None
-        register_native = _NATIVE_OPS.pop(self._ffi, None) if self._ffi is not None else None
-        if register_native is not None:
-            # The native op (CPU kernel: the XLA handler; Meta kernel: the output rule), under
-            # the name the Python op would have; None where this torch cannot host it (why not:
-            # _native_fallback), and the Python op is made instead.
-            defaults = {
-                n: d for n, d in zip(self._params, self._defaults, strict=True) if n in self._attrs and d is not _EMPTY
-            }
-            self._native_fallback = register_native(_NAMESPACE, opname, self._params, defaults)
-            if self._native_fallback is None:
-                op = getattr(namespace, opname)
-                autograd_target = _LibraryOp(torch, f"{_NAMESPACE}::{opname}")
-        if op is None:
-            if functional:
+        if functional:
 
-                def impl(*vals: Any) -> Any:
-                    return fn(*vals)
-            else:
+            def impl(*vals: Any) -> Any:
+                return fn(*vals)
+        else:
 
-                def impl(*vals: Any) -> Any:
-                    fn(*vals)
-                    return None
+            def impl(*vals: Any) -> Any:
+                fn(*vals)
+                return None
 
+        native = self._native_torch_op(namespace, opname)
+        if native is None:
             op = torch.library.custom_op(
                 f"{_NAMESPACE}::{opname}", impl, mutates_args=self._mutates, schema=schema
             )
-            out = self._out
-            if functional:
-                rule = out.rule
-                if rule is not None:
-                    tensor_idx = self._tensor_idx
-
-                    def fake(*vals: Any) -> Any:
-                        shape, dtype = rule(*[vals[i] for i in tensor_idx])
-                        return vals[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
-                else:
-                    like: Any = out.like
-
-                    def fake(*vals: Any) -> Any:
-                        x = vals[like]
-                        return x.new_empty(x.shape)
-            else:
+        else:
+            op = native
+        out = self._out
+        if functional:
+            rule = out.rule
+            if rule is not None:
+                tensor_idx = self._tensor_idx
 
                 def fake(*vals: Any) -> Any:
-                    return None
+                    shape, dtype = rule(*[vals[i] for i in tensor_idx])
+                    return vals[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
+            else:
+                like: Any = out.like
 
+                def fake(*vals: Any) -> Any:
+                    x = vals[like]
+                    return x.new_empty(x.shape)
+        else:
+
+            def fake(*vals: Any) -> Any:
+                return None
+
+        # A native op's Meta kernel is the output rule, registered natively.
+        if native is None:
             op.register_fake(fake)
-            autograd_target = op
+        autograd_target = op if native is None else _LibraryOp(torch, f"{_NAMESPACE}::{opname}")
         if self._backward is not None:
             self._register_torch_autograd(torch, autograd_target)
         elif functional:
@@ -490,6 +481,20 @@ class Kernel:
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
         self._compiling = torch.compiler.is_compiling
+
+    def _native_torch_op(self, namespace: Any, opname: str) -> Any:
+        """The kernel's native torch op (CPU kernel: its XLA handler; Meta kernel: its output
+        rule), defined under ``opname`` through the registrar add_kernel left for its ffi capsule;
+        None for the Python custom op: no registrar (no handler, or a kernel made from Python),
+        or this torch cannot host it (why not: ``_native_fallback``)."""
+        register = _NATIVE_OPS.pop(self._ffi, None) if self._ffi is not None else None
+        if register is None:
+            return None
+        defaults = {
+            n: d for n, d in zip(self._params, self._defaults, strict=True) if n in self._attrs and d is not _EMPTY
+        }
+        self._native_fallback = register(_NAMESPACE, opname, self._params, defaults)
+        return getattr(namespace, opname) if self._native_fallback is None else None
 
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
