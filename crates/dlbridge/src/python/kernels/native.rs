@@ -43,7 +43,7 @@ pub(super) struct NativeDecl {
 
 /// A scalar parameter's default, as Python gave it.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum Default {
+pub(super) enum ScalarDefault {
     Int(i64),
     Float(f64),
     Bool(bool),
@@ -59,7 +59,7 @@ impl NativeDecl {
         &self,
         name: &str,
         params: &[String],
-        defaults: &[(String, Default)],
+        defaults: &[(String, ScalarDefault)],
     ) -> Result<XlaOp, Error> {
         let invalid = |m: String| Error::Invalid(format!("kernel {name}: {m}"));
         if self.mutates.len() > 1 {
@@ -101,10 +101,10 @@ impl NativeDecl {
         let mut texts = Vec::with_capacity(defaults.len());
         for (n, d) in defaults {
             let text = match *d {
-                Default::Int(v) => v.to_string(),
-                Default::Float(v) if v.is_finite() => format!("{v:?}"),
-                Default::Float(v) => return Err(invalid(format!("default {n}={v} (a finite float)"))),
-                Default::Bool(v) => if v { "True" } else { "False" }.to_owned(),
+                ScalarDefault::Int(v) => v.to_string(),
+                ScalarDefault::Float(v) if v.is_finite() => format!("{v:?}"),
+                ScalarDefault::Float(v) => return Err(invalid(format!("default {n}={v} (a finite float)"))),
+                ScalarDefault::Bool(v) => if v { "True" } else { "False" }.to_owned(),
             };
             texts.push((n.as_str(), text));
         }
@@ -131,7 +131,7 @@ pub(super) fn register(py: Python<'_>, ns: &str, op: Result<XlaOp, Error>) -> Re
             && !install_native_version_hooks(py)
         {
             return Err(Error::Invalid(format!(
-                "{}: writes an argument in place, but this torch's version bump was not found",
+                "{}: writes an argument in place, but this torch's version hooks were not found",
                 op.signature.name()
             )));
         }
@@ -183,9 +183,9 @@ pub(super) fn registrar<'py>(
                 return Ok(Some(format!("default of {n}: not a scalar attribute")));
             };
             let d = match t {
-                AttrType::F32 | AttrType::F64 => v.extract::<f64>().map(Default::Float),
-                AttrType::I32 | AttrType::I64 => v.extract::<i64>().map(Default::Int),
-                AttrType::Bool => v.extract::<bool>().map(Default::Bool),
+                AttrType::F32 | AttrType::F64 => v.extract::<f64>().map(ScalarDefault::Float),
+                AttrType::I32 | AttrType::I64 => v.extract::<i64>().map(ScalarDefault::Int),
+                AttrType::Bool => v.extract::<bool>().map(ScalarDefault::Bool),
                 AttrType::Str => return Ok(Some(format!("default of {n}: a string"))),
             };
             match d {
@@ -241,11 +241,13 @@ mod tests {
     #[test]
     fn the_op_follows_the_functions_parameters() {
         let d = decl(Some("x"), &[("a", "float64")], &[]);
-        let op = d.op("k_saxpy", &params(&["a", "x", "y"]), &[("a".into(), Default::Float(1e-5))]).unwrap();
+        let op =
+            d.op("k_saxpy", &params(&["a", "x", "y"]), &[("a".into(), ScalarDefault::Float(1e-5))]).unwrap();
         assert_eq!(op.signature.schema().unwrap(), "k_saxpy(float a=1e-5, Tensor x, Tensor y) -> Tensor");
         assert!(matches!(op.out, Some(OutRule::Like(1))));
         let d = decl(None, &[("a", "float32"), ("n", "int32"), ("b", "bool")], &["y"]);
-        let defaults = [("n".to_owned(), Default::Int(-3)), ("b".to_owned(), Default::Bool(true))];
+        let defaults =
+            [("n".to_owned(), ScalarDefault::Int(-3)), ("b".to_owned(), ScalarDefault::Bool(true))];
         let op = d.op("k_in_place", &params(&["a", "x", "y", "n", "b"]), &defaults).unwrap();
         assert_eq!(
             op.signature.schema().unwrap(),
@@ -260,7 +262,9 @@ mod tests {
         let e = two.op("k", &params(&["x", "y"]), &[]).unwrap_err();
         assert!(e.is_unsupported() && e.to_string().contains("2 arguments written in place"), "{e}");
         let d = decl(Some("x"), &[("a", "float64")], &[]);
-        let e = d.op("k", &params(&["a", "x"]), &[("a".into(), Default::Float(f64::INFINITY))]).unwrap_err();
+        let e = d
+            .op("k", &params(&["a", "x"]), &[("a".into(), ScalarDefault::Float(f64::INFINITY))])
+            .unwrap_err();
         assert!(e.is_unsupported() && e.to_string().contains("default a=inf"), "{e}");
         let e = d.op("k", &params(&["x"]), &[]).unwrap_err();
         assert!(e.to_string().contains("a is not a parameter"), "{e}");
