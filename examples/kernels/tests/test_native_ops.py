@@ -200,6 +200,13 @@ def test_an_aoti_package_runs_the_native_op_in_a_fresh_process(tmp_path):
         m(x, y)
         sys.setprofile(None)
         assert dlbridge.kernels.__file__ not in seen and not [f for f in seen if "custom_ops.py" in f], seen
+        # Under inference mode not even torch.library's autograd kernel (Python) runs.
+        seen.clear()
+        with torch.inference_mode():
+            sys.setprofile(profile)
+            m(x, y)
+            sys.setprofile(None)
+        assert not [f for f in seen if "torch/_library/" in f or f == dlbridge.kernels.__file__], seen
         print("package ran")
         """
     )
