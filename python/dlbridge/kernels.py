@@ -84,6 +84,10 @@ _JAX_TARGETS: dict[str, Any] = {}
 _TARGET_NAMES: set[str] = set()
 _PENDING_TORCH: list[Kernel] = []
 _PENDING_JAX: list[Kernel] = []
+# A kernel declared from Rust with an XLA handler (dlbridge::python::add_kernel) can be a native
+# torch op: its ffi capsule -> the private Rust function that defines the op through torch's
+# stable C ABI, called once, when the kernel's torch op is made (see _native_torch_op).
+_NATIVE_OPS: dict[Any, Callable[..., str | None]] = {}
 
 
 def _no_grad_mode() -> bool:
@@ -592,9 +596,11 @@ class Kernel:
                 fn(*vals)
                 return None
 
-        op = torch.library.custom_op(
-            f"{ns}::{opname}", impl, mutates_args=self._mutates, schema=schema
-        )
+        native = self._native_torch_op(ns, namespace, opname)
+        if native is None:
+            op = torch.library.custom_op(f"{ns}::{opname}", impl, mutates_args=self._mutates, schema=schema)
+        else:
+            op = native
         out = self._out
         if functional:
             rule = out.rule
@@ -615,17 +621,22 @@ class Kernel:
             def fake(*vals: Any) -> Any:
                 return None
 
-        op.register_fake(fake)
+        # A native op's Meta kernel is the output rule, registered natively.
+        if native is None:
+            op.register_fake(fake)
+        # What registers the op's autograd and vmap rules: the custom op itself, or torch.library
+        # for a native op.
+        autograd_target = op if native is None else _LibraryOp(torch, f"{ns}::{opname}")
         if self._backward is not None:
-            self._register_torch_autograd(torch, op)
+            self._register_torch_autograd(torch, autograd_target)
         elif functional:
             # torch's default for a custom op without autograd raises at backward too; this one
             # says what to do in dlbridge's terms. (An in-place kernel refuses at the call.)
             def no_backward(ctx: Any, *grads: Any) -> Any:
                 raise RuntimeError(self._no_backward_message())
 
-            op.register_autograd(no_backward)
-        self._register_torch_vmap(torch, op)
+            autograd_target.register_autograd(no_backward)
+        self._register_torch_vmap(torch, autograd_target)
         self._op = op
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
@@ -648,6 +659,20 @@ class Kernel:
             copy += 1
             opname = f"{base}_{copy}"
         return ns, opname
+
+    def _native_torch_op(self, ns: str, namespace: Any, opname: str) -> Any:
+        """The kernel's native torch op (CPU kernel: its XLA handler; Meta kernel: its output
+        rule), defined under ``opname`` through the registrar add_kernel left for its ffi capsule;
+        None for the Python custom op: no registrar (no handler, or a kernel made from Python),
+        or this torch cannot host it (why not: ``_native_fallback``)."""
+        register = _NATIVE_OPS.pop(self._ffi, None) if self._ffi is not None else None
+        if register is None:
+            return None
+        defaults = {
+            n: d for n, d in zip(self._params, self._defaults, strict=True) if n in self._attrs and d is not _EMPTY
+        }
+        self._native_fallback = register(ns, opname, self._params, defaults)
+        return getattr(namespace, opname) if self._native_fallback is None else None
 
     def _register_torch_autograd(self, torch: Any, op: Any) -> None:
         setup_context, backward = self._autograd_rules(torch)
@@ -865,6 +890,23 @@ def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return any(isinstance(a, torch.Tensor) and wrapped(a) for a in [*args, *kwargs.values()])
+
+
+class _LibraryOp:
+    """A natively defined op's ``register_autograd`` and ``register_vmap``, as a custom op has
+    them (autograd has no stable C API: its formula stays Python, registered on the native op)."""
+
+    __slots__ = ("qualname", "torch")
+
+    def __init__(self, torch: Any, qualname: str) -> None:
+        self.torch = torch
+        self.qualname = qualname
+
+    def register_autograd(self, backward: Any, /, *, setup_context: Any = None) -> None:
+        self.torch.library.register_autograd(self.qualname, backward, setup_context=setup_context)
+
+    def register_vmap(self, rule: Any) -> None:
+        self.torch.library.register_vmap(self.qualname, rule)
 
 
 _FIRST_ORDER: Any = None

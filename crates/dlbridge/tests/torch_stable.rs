@@ -534,3 +534,95 @@ fn an_op_made_at_run_time_gets_a_slot() {
     let err = dlbridge::torch_stable::xla::register_op(t, NS, bad).unwrap_err();
     assert!(matches!(&err, Error::Invalid(m) if m.contains("argument a has no attribute type")), "{err}");
 }
+
+#[test]
+fn scalar_defaults_are_in_the_schema_and_checked() {
+    const ARGS: &[(&str, ArgKind)] =
+        &[("x", ArgKind::Tensor), ("a", ArgKind::Float), ("n", ArgKind::Int), ("b", ArgKind::Bool)];
+    let sig = OpSignature::new("d", ARGS, &[ArgKind::Tensor]).with_defaults(&[("a", "1e-05"), ("b", "True")]);
+    assert_eq!(sig.schema().unwrap(), "d(Tensor x, float a=1e-05, int n, bool b=True) -> Tensor");
+    let leaked = OpSignature::new("d", ARGS, &[]).leak_defaults(&[("n", "-3")]);
+    assert_eq!(leaked.schema().unwrap(), "d(Tensor x, float a, int n=-3, bool b) -> ()");
+    for (bad, why) in [
+        (&[("z", "1")][..], "no such argument"),
+        (&[("x", "1")][..], "kind Tensor"),
+        (&[("a", "inf")][..], "kind Float"),
+        (&[("n", "1.5")][..], "kind Int"),
+        (&[("b", "true")][..], "kind Bool"),
+    ] {
+        let sig = OpSignature::new("d", ARGS, &[]).leak_defaults(bad);
+        assert!(
+            matches!(sig.schema(), Err(Error::Invalid(ref m)) if m.contains(why)),
+            "{bad:?}: {:?}",
+            sig.schema()
+        );
+    }
+    assert!(Error::Invalid(String::new()).is_unsupported());
+    assert!(Error::Missing { symbol: "torch_library_impl", torch: "2.9.0".into() }.is_unsupported());
+    assert!(!Error::Call { function: "f", message: String::new() }.is_unsupported());
+}
+
+/// The data pointers and sizes of the tensors the version-bump hook was called with.
+static BUMPED: std::sync::Mutex<Vec<(usize, i64)>> = std::sync::Mutex::new(Vec::new());
+
+/// The data pointer and size of the tensor behind a handle the hooks are given.
+///
+/// # Safety
+///
+/// A live handle, borrowed (never freed here).
+unsafe fn seen(h: dlbridge::torch_stable::sys::AtenTensorHandle) -> (usize, i64) {
+    let t = Torch::get().expect("a kernel runs only with torch loaded");
+    // SAFETY: the caller's promise; ManuallyDrop: borrowed, never deleted here.
+    let borrowed = std::mem::ManuallyDrop::new(unsafe { Tensor::from_raw(t, h) }.expect("not NULL"));
+    (borrowed.data_ptr().unwrap() as usize, borrowed.numel().unwrap())
+}
+
+/// Stand-ins for torch's C++ rules (which a process without Python's torch cannot verify): a
+/// 5-element tensor may not be written (as an inference tensor outside inference mode), and
+/// every bump is recorded.
+unsafe fn refuse_five(h: dlbridge::torch_stable::sys::AtenTensorHandle) -> bool {
+    // SAFETY: the hooks' contract: a live handle.
+    unsafe { seen(h) }.1 != 5
+}
+
+unsafe fn recording_bump(h: dlbridge::torch_stable::sys::AtenTensorHandle) {
+    // SAFETY: the hooks' contract: a live handle.
+    let s = unsafe { seen(h) };
+    BUMPED.lock().unwrap().push(s);
+}
+
+#[test]
+fn an_in_place_op_checks_then_bumps_its_written_argument_through_the_version_hooks() {
+    let Some(t) = setup() else { return };
+    let hooks = dlbridge::torch_stable::VersionHooks { may_write: refuse_five, bump: recording_bump };
+    // SAFETY: both only read the live handle they are given (and record what they saw).
+    unsafe { dlbridge::torch_stable::set_version_hooks(hooks) };
+    assert!(dlbridge::torch_stable::has_version_hooks());
+    // 7 and 5 elements: no other test's tensors (other tests run meanwhile, and may reuse an
+    // address).
+    let x = filled(t, &[1.0; 7]);
+    let y = filled(t, &[3.0; 7]);
+    let call = |x: &Tensor, y: &Tensor| {
+        let args = vec![
+            Value::Tensor(x.new_handle().unwrap()),
+            Value::Tensor(y.new_handle().unwrap()),
+            Value::Float(1.0),
+        ];
+        // SAFETY: the arguments and results have the op's schema types.
+        unsafe { t.call("dlbridge_test::saxpy_", "", args, &[]) }
+    };
+    assert!(call(&x, &y).unwrap().is_empty());
+    assert_eq!(f32s(&y), [4.0; 7]);
+    {
+        let bumped = BUMPED.lock().unwrap();
+        let y_seen = (y.data_ptr().unwrap() as usize, 7);
+        assert_eq!(bumped.iter().filter(|&&p| p == y_seen).count(), 1, "{bumped:?}");
+        assert!(!bumped.contains(&(x.data_ptr().unwrap() as usize, 7)));
+    }
+    // Refused before the handler runs: nothing written, nothing bumped.
+    let (x5, y5) = (filled(t, &[1.0; 5]), filled(t, &[3.0; 5]));
+    let e = call(&x5, &y5).unwrap_err();
+    assert!(e.to_string().contains("y: an inference tensor cannot be written in place"), "{e}");
+    assert_eq!(f32s(&y5), [3.0; 5]);
+    assert!(!BUMPED.lock().unwrap().iter().any(|&(_, n)| n == 5));
+}

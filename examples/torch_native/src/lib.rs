@@ -3,12 +3,18 @@
 //! the process's libtorch and registers, in namespace `dlbridge_native`:
 //!
 //! - `saxpy(Tensor x, Tensor y, float a) -> Tensor` (`a * x + y`, float32 or float64) and
-//!   `saxpy_(Tensor x, Tensor(a!) y, float a) -> ()` (`y += a * x`, float32): their CPU kernel
+//!   `saxpy_(Tensor x, Tensor(a!) y, float a) -> ()` (`y += a * x`, float32, bumping `y`'s
+//!   version counter through `dlbridge::python::install_torch_version_hooks`): their CPU kernel
 //!   is the XLA FFI handler `jax.jit` would call, run through the adapter; their Meta kernel the
 //!   output rule;
 //! - `empty(Tensor x) -> ()`: a kernel that does nothing (the cost of a call), and
 //!   `empty_xla(Tensor x) -> ()`: the same through the XLA adapter;
 //! - `fails(Tensor x, str why) -> Tensor`: a kernel that refuses with `why` (a `RuntimeError`).
+//!
+//! And `empty_like`, a `dlbridge.kernels` kernel made by `add_kernel` (an empty body returning a
+//! new float32 tensor like `x`), which `dlbridge.kernels` makes a native op by itself (namespace
+//! `dlbridge_kernels`): `bench_empty.py --kernels` compares it with the same kernel as a Python
+//! custom op.
 
 use dlbridge::DataType;
 use dlbridge::spec::Rank;
@@ -73,6 +79,25 @@ dlbridge::xla_handler! {
         }
         Ok(())
     }
+}
+
+dlbridge::xla_handler! {
+    /// `empty_like`'s handler: its operand and result decoded, nothing computed.
+    fn empty_like_xla(call, operands: 1, results: 1) {
+        call.input_any(0, "x")?;
+        call.output_any(0, "out")?;
+        Ok(())
+    }
+}
+
+/// `empty_like(x)`: a new uninitialised float32 tensor like `x`, of x's framework (the eager
+/// body of an empty kernel).
+#[pyfunction]
+fn empty_like(
+    py: Python<'_>,
+    x: dlbridge::python::TensorRef<'_, f32>,
+) -> PyResult<dlbridge::python::Output<f32>> {
+    x.empty_like::<f32>(py)
 }
 
 dlbridge::xla_handler! {
@@ -152,8 +177,12 @@ fn registered(torch: &'static Torch) -> dlbridge::torch_stable::Result<()> {
 /// Registers the ops once per process (`import torch` first) and returns the torch version
 /// found. A torch without the stable functions raises `RuntimeError` naming what is missing.
 #[pyfunction]
-fn register() -> PyResult<String> {
+fn register(py: Python<'_>) -> PyResult<String> {
     static DONE: std::sync::OnceLock<std::result::Result<String, String>> = std::sync::OnceLock::new();
+    // saxpy_ writes y in place: its version counter is bumped through torch's C++ bump (the
+    // stable ABI has none), found by dlbridge's Python layer. Outside the OnceLock: it runs
+    // Python (its probes), and another thread may wait on the lock holding the GIL.
+    dlbridge::python::install_torch_version_hooks(py);
     let r = DONE.get_or_init(|| {
         let torch = Torch::attach().map_err(|e| e.to_string())?;
         registered(torch).map_err(|e| e.to_string())?;
@@ -164,5 +193,13 @@ fn register() -> PyResult<String> {
 
 #[pymodule]
 fn dlbridge_torch_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(register, m)?)
+    m.add_function(wrap_pyfunction!(register, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_like, m)?)?;
+    let def = dlbridge::python::KernelDef {
+        out: Some("x"),
+        ffi: Some(empty_like_xla),
+        ..dlbridge::python::KernelDef::default()
+    };
+    dlbridge::python::add_kernel(m, m.getattr("empty_like")?, &def, None)?;
+    Ok(())
 }

@@ -42,17 +42,28 @@ def test_in_place_writes_the_callers_tensor(ops):
     torch.testing.assert_close(base, torch.tensor([0.0, 0, 1, 0, 2, 0, 3, 0]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's ADInplaceOrView fallback is a fallthrough for ops registered natively: the "
-    "schema's (a!) does not bump the version counter eagerly (the Python custom op's wrapper "
-    "does); the stable ABI has no increment_version (phase 2 of the native op)",
-)
 def test_in_place_bumps_the_version_counter(ops):
+    # torch's ADInplaceOrView fallback is a fallthrough for a natively registered op, and the
+    # stable ABI has no increment_version: the CPU kernel bumps through torch's C++ bump.
     y = torch.ones(3)
+    view = y[1:]
     before = y._version
     ops.saxpy_(torch.ones(3), y, 1.0)
-    assert y._version > before
+    assert y._version == before + 1 and view._version == y._version
+    # Inside inference mode a plain tensor still counts (as y.add_ does there); an inference
+    # tensor has no counter, and is written all the same.
+    with torch.inference_mode():
+        ops.saxpy_(torch.ones(3), y, 1.0)
+        assert y._version == before + 2
+        z = torch.ones(3)
+        ops.saxpy_(torch.ones(3), z, 1.0)
+    torch.testing.assert_close(z, torch.full((3,), 2.0))
+    torch.testing.assert_close(y, torch.full((3,), 3.0))
+    # Outside inference mode, an inference tensor is refused before anything is written (torch
+    # refuses z.add_(1) there too).
+    with pytest.raises(RuntimeError, match="saxpy_: y: an inference tensor cannot be written in place outside"):
+        ops.saxpy_(torch.ones(3), z, 1.0)
+    torch.testing.assert_close(z, torch.full((3,), 2.0))
 
 
 def test_errors_are_runtime_errors_naming_the_op(ops):
@@ -157,3 +168,14 @@ def test_a_process_without_torch_is_told_so():
     assert out.returncode == 0, out.stderr
     assert "refused: libtorch (libtorch_cpu.so) is not available" in out.stdout, out.stdout
     assert "import torch first" in out.stdout
+
+
+def test_a_kernel_made_by_add_kernel_is_a_native_op():
+    # empty_like: add_kernel with a handler; dlbridge.kernels registers it natively by itself.
+    k = native.empty_like
+    assert k._native_fallback is None
+    assert isinstance(k.torch_op, torch._ops.OpOverloadPacket)
+    x = torch.ones(2, 3)
+    with torch.inference_mode():
+        out = k.torch_op(x)
+    assert out.shape == (2, 3) and out.dtype == torch.float32 and out.data_ptr() != x.data_ptr()

@@ -34,6 +34,8 @@ pub use import::{
     AnyTensor, EXCHANGE_API_CAPSULE, ExchangeApi, ImportOptions, TENSOR_EXCHANGE_API, asdlpack_with,
     from_dlpack_with,
 };
+#[cfg(all(feature = "torch-stable", unix))]
+pub use kernels::install_torch_version_hooks;
 pub use kernels::{HostSpec, KernelDef, TensorMut, TensorRef, TensorView, add_kernel, xla_capsule};
 pub use runtime::{
     DLTENSOR, DLTENSOR_VERSIONED, PyDType, PyDevice, PyOwner, Tensor, USED_DLTENSOR, USED_DLTENSOR_VERSIONED,

@@ -117,6 +117,60 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+impl Error {
+    /// Whether this process cannot host the op natively, so that a caller with another way
+    /// (a Python custom op) takes it: no libtorch loaded ([`Error::NotLoaded`]), a function this
+    /// torch lacks ([`Error::Missing`]), or an op this module cannot express
+    /// ([`Error::Invalid`]: too many arguments, a default it cannot write, the runtime slots
+    /// used up). A torch call that failed ([`Error::Call`]) is not: torch refused the op.
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, Self::NotLoaded { .. } | Self::Missing { .. } | Self::Invalid(_))
+    }
+}
+
+/// torch's version-counter rules for a tensor an op writes in place (`Tensor(a!)`), which the
+/// stable ABI lacks; see [`set_version_hooks`]. Each function gets the tensor's
+/// `AtenTensorHandle` (an `at::Tensor*`).
+#[derive(Debug, Clone, Copy)]
+pub struct VersionHooks {
+    /// Whether the tensor may be written now: `false` for one without a version counter (an
+    /// inference tensor) while inference mode is off, which torch refuses.
+    pub may_write: unsafe fn(sys::AtenTensorHandle) -> bool,
+    /// Adds one to the tensor's version counter, where it has one.
+    pub bump: unsafe fn(sys::AtenTensorHandle),
+}
+
+static VERSION_HOOKS: OnceLock<VersionHooks> = OnceLock::new();
+
+/// Installs the functions the CPU kernel of an op that writes a `Tensor(a!)` argument calls on
+/// that argument ([`xla`]): `may_write` before the handler runs (`false` refuses the call, as
+/// torch refuses writing an inference tensor outside inference mode), `bump` after it succeeded.
+/// torch's `ADInplaceOrView` fallback is a fallthrough for natively registered ops, so without
+/// them an eager in-place call leaves `_version` unchanged and writes an inference tensor
+/// anywhere. Whoever can reach torch's C++ functions (dlbridge's Python layer, through its
+/// verified symbols) installs them; without them nothing is checked or bumped. The first ones
+/// installed stay; returns whether these were.
+///
+/// # Safety
+///
+/// Each function, given a live `AtenTensorHandle` of a defined tensor of this process's
+/// libtorch, on any thread, with or without Python's GIL, must do nothing but what its field
+/// says (read the tensor's counter and the thread's inference mode; add one to the counter), and
+/// must neither unwind nor throw.
+pub unsafe fn set_version_hooks(hooks: VersionHooks) -> bool {
+    VERSION_HOOKS.set(hooks).is_ok()
+}
+
+/// Whether version hooks are installed ([`set_version_hooks`]).
+pub fn has_version_hooks() -> bool {
+    VERSION_HOOKS.get().is_some()
+}
+
+/// The installed version hooks, if any.
+fn version_hooks() -> Option<VersionHooks> {
+    VERSION_HOOKS.get().copied()
+}
+
 /// The result of this module's functions.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

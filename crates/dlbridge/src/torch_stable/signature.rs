@@ -40,6 +40,7 @@ pub struct OpSignature {
     name: &'static str,
     args: &'static [(&'static str, ArgKind)],
     rets: &'static [ArgKind],
+    defaults: &'static [(&'static str, &'static str)],
 }
 
 impl OpSignature {
@@ -49,7 +50,23 @@ impl OpSignature {
         args: &'static [(&'static str, ArgKind)],
         rets: &'static [ArgKind],
     ) -> Self {
-        Self { name, args, rets }
+        Self { name, args, rets, defaults: &[] }
+    }
+
+    /// The same op whose scalar arguments named in `defaults` may be left out: (argument name,
+    /// the value as the schema writes it: `1e-05`, `-3`, `True`). [`schema`](Self::schema)
+    /// checks each against its argument's kind.
+    pub const fn with_defaults(self, defaults: &'static [(&'static str, &'static str)]) -> Self {
+        Self { defaults, ..self }
+    }
+
+    /// [`with_defaults`](Self::with_defaults) for defaults known at run time (leaked once per
+    /// op, as [`leak`](Self::leak) leaks the names).
+    pub fn leak_defaults(self, defaults: &[(&str, &str)]) -> Self {
+        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
+        let defaults: Vec<(&'static str, &'static str)> =
+            defaults.iter().map(|&(n, v)| (leak(n), leak(v))).collect();
+        Self { defaults: Box::leak(defaults.into_boxed_slice()), ..self }
     }
 
     /// An op signature made at run time (e.g. from a kernel's declaration when a module
@@ -62,6 +79,7 @@ impl OpSignature {
             name: leak(name),
             args: Box::leak(args.into_boxed_slice()),
             rets: Box::leak(rets.to_vec().into_boxed_slice()),
+            defaults: &[],
         }
     }
 
@@ -80,10 +98,17 @@ impl OpSignature {
         self.rets
     }
 
-    /// The schema string torch parses: `name(Tensor x, Tensor(a!) y, float a) -> Tensor`
+    /// The scalar arguments' defaults (argument name, schema text).
+    pub const fn defaults(&self) -> &'static [(&'static str, &'static str)] {
+        self.defaults
+    }
+
+    /// The schema string torch parses: `name(Tensor x, Tensor(a!) y, float a=0.5) -> Tensor`
     /// (mutated tensors get alias sets `a`, `b`, ... in order; no results is `-> ()`, several a
     /// tuple). [`Error::Invalid`] for a result of kind `TensorMut` or `Str`, more than 26 mutated
-    /// tensors, or a name that is not an identifier.
+    /// tensors, a name that is not an identifier, or a default that names no argument or is not
+    /// a value of its argument's kind (an `int`, a finite `float`, `True`/`False`; none for a
+    /// tensor or a string).
     pub fn schema(&self) -> Result<String> {
         let ident = |what: &str, s: &str| {
             let ok = s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
@@ -91,6 +116,26 @@ impl OpSignature {
             if ok { Ok(()) } else { Err(Error::Invalid(format!("{what}: {s:?} is not an identifier"))) }
         };
         ident("op name", self.name)?;
+        for &(name, value) in self.defaults {
+            let Some(&(_, kind)) = self.args.iter().find(|(n, _)| *n == name) else {
+                return Err(Error::Invalid(format!(
+                    "{}: default {name}={value}: no such argument",
+                    self.name
+                )));
+            };
+            let ok = match kind {
+                ArgKind::Int => value.parse::<i64>().is_ok(),
+                ArgKind::Float => value.parse::<f64>().is_ok_and(f64::is_finite),
+                ArgKind::Bool => matches!(value, "True" | "False"),
+                ArgKind::Tensor | ArgKind::TensorMut | ArgKind::Str => false,
+            };
+            if !ok {
+                return Err(Error::Invalid(format!(
+                    "{}: default {name}={value:?} is not a value of {}'s kind {kind:?}",
+                    self.name, name
+                )));
+            }
+        }
         let mut alias = b'a';
         let mut args = Vec::with_capacity(self.args.len());
         for &(name, kind) in self.args {
@@ -102,7 +147,10 @@ impl OpSignature {
                 args.push(format!("Tensor({}!) {name}", alias as char));
                 alias += 1;
             } else {
-                args.push(format!("{} {name}", kind.schema_type()));
+                match self.defaults.iter().find(|(n, _)| *n == name) {
+                    Some((_, value)) => args.push(format!("{} {name}={value}", kind.schema_type())),
+                    None => args.push(format!("{} {name}", kind.schema_type())),
+                }
             }
         }
         if let Some(k) = self.rets.iter().find(|k| matches!(k, ArgKind::TensorMut | ArgKind::Str)) {

@@ -502,6 +502,19 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
         operands[n_ops] = Some(operand);
         n_ops += 1;
     }
+    // What torch's ADInplaceOrView kernel would refuse before the call: writing an inference
+    // tensor outside inference mode.
+    if let Some(hooks) = super::version_hooks() {
+        for (i, &(name, kind)) in sig.args().iter().enumerate() {
+            // SAFETY: a live handle of a defined tensor (its device was read above).
+            if kind == ArgKind::TensorMut && !unsafe { (hooks.may_write)(args.tensor(i)?.as_raw()) } {
+                return Err(KernelError(format!(
+                    "{name}: an inference tensor cannot be written in place outside inference mode \
+                     (torch refuses it too): write it under torch.inference_mode(), or clone it"
+                )));
+            }
+        }
+    }
     let operand = |k: usize| operands[k].as_ref().expect("the first n_ops are set").tensor();
     // Fresh results from the output rule.
     let mut fresh: [Option<Tensor>; N] = std::array::from_fn(|_| None);
@@ -670,6 +683,17 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     for o in operands[..n_ops].iter().flatten() {
         if let Operand::Copied { tensor, copy_back_into: Some(i) } = o {
             args.tensor(*i)?.copy_from(tensor)?;
+        }
+    }
+    // What torch's ADInplaceOrView kernel would do after the call (a fallthrough for a native op).
+    if let Some(hooks) = super::version_hooks() {
+        for (i, &(_, kind)) in sig.args().iter().enumerate() {
+            if kind == ArgKind::TensorMut {
+                // SAFETY: a live handle (a Tensor's invariant) of a defined tensor (its device and
+                // dtype were read above, which fails for an undefined one): all the installer's
+                // contract asks.
+                unsafe { (hooks.bump)(args.tensor(i)?.as_raw()) };
+            }
         }
     }
     for (i, t) in fresh.into_iter().take(n_fresh).enumerate() {

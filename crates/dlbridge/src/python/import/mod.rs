@@ -29,4 +29,6 @@ pub use protocols::AnyTensor;
 pub(in crate::python) use protocols::{not_an_array, read_view};
 #[cfg(feature = "test-hooks")]
 pub(in crate::python) use torch_bits::aten_bits;
+#[cfg(all(feature = "torch-stable", unix))]
+pub(in crate::python) use torch_bits::install_native_version_hooks;
 pub(in crate::python) use torch_bits::{Bump, Kept, aten_bits_found};

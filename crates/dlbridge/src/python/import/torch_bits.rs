@@ -336,6 +336,78 @@ impl AtenBits {
     }
 }
 
+/// The verified version-counter and inference-mode functions, for [`may_write_handle`] and
+/// [`bump_handle`], which run without the GIL (inside a native torch op): set once, from
+/// verified [`Versions`].
+#[cfg(all(feature = "torch-stable", unix))]
+static NATIVE_VERSIONS: std::sync::OnceLock<(CounterFn, TensorFn, FlagFn)> = std::sync::OnceLock::new();
+
+/// Installs [`crate::torch_stable::set_version_hooks`]'s functions from torch's own (the
+/// verified `version_counter`, `bump_version` and `InferenceMode::is_enabled`), so a native op
+/// that writes an argument in place refuses an inference tensor outside inference mode and bumps
+/// `_version` as torch's in-place operations do. Runs the one-time search if it has not run
+/// (torch imported). Returns whether the hooks are installed (`false`: the symbols were not
+/// found or not verified; nothing is checked or bumped then).
+#[cfg(all(feature = "torch-stable", unix))]
+pub(crate) fn install_native_version_hooks(py: Python<'_>) -> bool {
+    let Some(v) = aten_bits(py).and_then(|b| b.versions.as_ref()) else { return false };
+    NATIVE_VERSIONS.get_or_init(|| (v.version_counter, v.bump_version, v.inference_mode));
+    let hooks = crate::torch_stable::VersionHooks { may_write: may_write_handle, bump: bump_handle };
+    // SAFETY: both functions meet the hooks' contract: given a live handle of a defined tensor
+    // (an `at::Tensor*`, what the verified functions take), they read the tensor's counter and
+    // the thread's inference mode, and bump only where there is a counter, so torch's bump
+    // cannot throw (it throws only for a missing counter outside inference mode); none touches
+    // Python. Another call installs the same functions: the first stay.
+    let _ = unsafe { crate::torch_stable::set_version_hooks(hooks) };
+    crate::torch_stable::has_version_hooks()
+}
+
+/// Whether the tensor at `t` has a version counter.
+///
+/// # Safety
+///
+/// `t` is a live `AtenTensorHandle` (an `at::Tensor*`) of a defined tensor; `counter` is the
+/// verified `version_counter`.
+#[cfg(all(feature = "torch-stable", unix))]
+unsafe fn native_has_counter(counter: CounterFn, t: crate::torch_stable::sys::AtenTensorHandle) -> bool {
+    // SAFETY: the caller's promise; the verified function returns a reference to the tensor's
+    // `VariableVersion`, whose first word is the counter's pointer (NULL: none).
+    unsafe { !(*counter(t.cast_const().cast::<c_void>())).is_null() }
+}
+
+/// The `may_write` hook: `false` for a tensor without a counter while inference mode is off.
+///
+/// # Safety
+///
+/// `t` is a live `AtenTensorHandle` of a defined tensor.
+#[cfg(all(feature = "torch-stable", unix))]
+unsafe fn may_write_handle(t: crate::torch_stable::sys::AtenTensorHandle) -> bool {
+    match NATIVE_VERSIONS.get() {
+        // SAFETY: the caller's promise, and the verified functions; c10's inference-mode read is a
+        // thread-local read, which cannot throw.
+        Some(&(counter, _, inference)) => unsafe { native_has_counter(counter, t) || inference() },
+        None => true,
+    }
+}
+
+/// The `bump` hook: torch's bump, where the tensor has a counter.
+///
+/// # Safety
+///
+/// `t` is a live `AtenTensorHandle` of a defined tensor.
+#[cfg(all(feature = "torch-stable", unix))]
+unsafe fn bump_handle(t: crate::torch_stable::sys::AtenTensorHandle) {
+    if let Some(&(counter, bump, _)) = NATIVE_VERSIONS.get() {
+        // SAFETY: the caller's promise; the bump runs only where the counter exists, so it
+        // cannot throw (see `Versions::has_counter`).
+        unsafe {
+            if native_has_counter(counter, t) {
+                bump(t.cast_const().cast::<c_void>());
+            }
+        }
+    }
+}
+
 /// Finds the kernels and checks them on probe tensors; `Ok(None)` when anything does not
 /// hold (no torch, another layout, a symbol missing, a disagreement).
 fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {

@@ -5,6 +5,8 @@
 //! `jax.ffi.register_ffi_target(name, capsule, platform="cpu")` takes; [`add_kernel`] adds a
 //! `#[pyfunction]` to a module as a `dlbridge.kernels.Kernel` declared by a [`KernelDef`] (its
 //! output rule, scalar attributes, in-place arguments, handler and backward).
+//!
+//! A kernel with a handler is also a native torch op (`native.rs`).
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -90,6 +92,18 @@ pub fn add_kernel<'py>(
     kw.set_item("out", def.out)?;
     kw.set_item("attrs", PyDict::from_sequence(&def.attrs.to_vec().into_pyobject(py)?)?)?;
     kw.set_item("mutates", PyTuple::new(py, def.mutates)?)?;
+    #[cfg(all(feature = "torch-stable", unix))]
+    let native = match def.ffi {
+        Some(h) => {
+            let capsule = xla_capsule(py, h)?;
+            let register = super::native::registrar(py, def.out, def.attrs, def.mutates, h)?;
+            kernels.getattr("_NATIVE_OPS")?.set_item(&capsule, register)?;
+            kw.set_item("ffi", &capsule)?;
+            Some(capsule)
+        }
+        None => None,
+    };
+    #[cfg(not(all(feature = "torch-stable", unix)))]
     if let Some(h) = def.ffi {
         kw.set_item("ffi", xla_capsule(py, h)?)?;
     }
@@ -97,7 +111,13 @@ pub fn add_kernel<'py>(
     kw.set_item("vmap_method", def.vmap_method)?;
     kw.set_item("name", def.name)?;
     kw.set_item("namespace", def.namespace)?;
-    let kernel = kernels.getattr("kernel")?.call((function,), Some(&kw))?;
+    let kernel = kernels.getattr("kernel")?.call((function,), Some(&kw));
+    #[cfg(all(feature = "torch-stable", unix))]
+    if let (Err(_), Some(capsule)) = (&kernel, &native) {
+        // The declaration was refused: its registrar goes too.
+        kernels.getattr("_NATIVE_OPS")?.call_method1("pop", (capsule, py.None()))?;
+    }
+    let kernel = kernel?;
     let name: String = kernel.getattr("__name__")?.extract()?;
     module.add(name.as_str(), &kernel)?;
     Ok(kernel)

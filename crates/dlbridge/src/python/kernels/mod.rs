@@ -2,9 +2,13 @@
 //! in every mode (`kernel.rs`). Knows the runtime, import and export.
 
 mod kernel;
+#[cfg(all(feature = "torch-stable", unix))]
+mod native;
 mod typed;
 mod view;
 
 pub use kernel::{KernelDef, add_kernel, xla_capsule};
+#[cfg(all(feature = "torch-stable", unix))]
+pub use native::install_torch_version_hooks;
 pub use typed::{HostSpec, TensorMut, TensorRef};
 pub use view::TensorView;

@@ -1,0 +1,274 @@
+//! A kernel's native torch op (feature `torch-stable`, Unix): what [`super::add_kernel`] hands
+//! `dlbridge.kernels` for a kernel with an XLA handler. When the kernel's torch op is made (at
+//! once if torch is imported, else when torch is first used with the kernel: `_make_torch_op`),
+//! `dlbridge.kernels` calls [`registrar`]'s function, which defines the op through torch's stable
+//! C ABI ([`crate::torch_stable::xla::register_op`]) under the name the Python op would have: the
+//! handler is its CPU kernel, the output rule (`out`: like a parameter) its Meta kernel, and an
+//! in-place argument's version counter is checked and bumped through torch's C++ functions (import's
+//! `torch_bits.rs`, [`install_torch_version_hooks`]). Where the process cannot host it
+//! ([`Error::is_unsupported`]: no libtorch, a stable function missing, more than one argument
+//! written in place, no verified version hooks for an in-place kernel, ...) the Python custom op stays,
+//! as for a kernel without a handler.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyCFunction, PyDict, PyTuple};
+
+use crate::python::import::install_native_version_hooks;
+use crate::torch_stable::xla::{AttrType, OutRule, XlaOp, register_op};
+use crate::torch_stable::{ArgKind, Error, Torch};
+use crate::xla_ffi::XLA_FFI_Handler;
+
+/// Installs [`crate::torch_stable::set_version_hooks`]'s functions from torch's own C++ ones
+/// (found and checked on probe tensors in the process's libtorch: the symbols dlbridge's torch
+/// import uses), so a native op that writes a `Tensor(a!)` argument refuses an inference tensor
+/// outside inference mode and bumps `_version` as torch's in-place operations do.
+/// [`super::add_kernel`]'s native ops install them themselves; an extension registering ops
+/// through [`crate::torch_stable`] by hand calls it once torch is imported. Returns whether
+/// they are installed (`false`: torch is not imported, or its symbols were not found or did not
+/// pass the checks; nothing is checked or bumped then).
+pub fn install_torch_version_hooks(py: Python<'_>) -> bool {
+    install_native_version_hooks(py)
+}
+
+/// What a kernel's declaration says of its native op (the parameters' order and defaults
+/// come from the function, as `dlbridge.kernels` reads them, at registration).
+#[derive(Debug, Clone)]
+pub(super) struct NativeDecl {
+    pub(super) out: Option<String>,
+    pub(super) attrs: Vec<(String, String)>,
+    pub(super) mutates: Vec<String>,
+    pub(super) handler: XLA_FFI_Handler,
+}
+
+/// A scalar parameter's default, as Python gave it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum ScalarDefault {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+}
+
+impl NativeDecl {
+    /// The op `name` whose arguments are `params` in order (the function's), with the
+    /// scalar defaults `defaults`: each parameter named in `attrs` a scalar of its type, each
+    /// in `mutates` a `Tensor(a!)`, every other a `Tensor`; one fresh result like parameter
+    /// `out`, or none for an in-place kernel. [`Error::Invalid`] (the Python op then) for a
+    /// declaration the native op cannot express.
+    pub(super) fn op(
+        &self,
+        name: &str,
+        params: &[String],
+        defaults: &[(String, ScalarDefault)],
+    ) -> Result<XlaOp, Error> {
+        let invalid = |m: String| Error::Invalid(format!("kernel {name}: {m}"));
+        if self.mutates.len() > 1 {
+            // XLA's call aliases one argument (input_output_aliases); the native frame would
+            // alias each, so the handler would see other results than under jax.jit.
+            return Err(invalid(format!("{} arguments written in place (one at most)", self.mutates.len())));
+        }
+        let mut attrs = Vec::with_capacity(self.attrs.len());
+        for (n, t) in &self.attrs {
+            let t =
+                AttrType::from_numpy_name(t).ok_or_else(|| invalid(format!("attribute {n}: type {t:?}")))?;
+            attrs.push((n.as_str(), t));
+        }
+        let mut args = Vec::with_capacity(params.len());
+        for p in params {
+            let kind = match attrs.iter().find(|(n, _)| n == p) {
+                Some(&(_, t)) => t.arg_kind(),
+                None if self.mutates.contains(p) => ArgKind::TensorMut,
+                None => ArgKind::Tensor,
+            };
+            args.push((p.as_str(), kind));
+        }
+        let attr_names = attrs.iter().map(|&(n, _)| n);
+        if let Some(n) =
+            self.mutates.iter().map(String::as_str).chain(attr_names).find(|n| !params.iter().any(|p| p == n))
+        {
+            return Err(invalid(format!("{n} is not a parameter of the function")));
+        }
+        let (rets, out): (&[ArgKind], _) = if self.mutates.is_empty() {
+            let like = self.out.as_deref().ok_or_else(|| invalid("no output rule (out)".into()))?;
+            let i = params
+                .iter()
+                .position(|p| p == like)
+                .ok_or_else(|| invalid(format!("out={like:?} is not a parameter")))?;
+            (&[ArgKind::Tensor], Some(OutRule::Like(i)))
+        } else {
+            (&[], None)
+        };
+        let mut texts = Vec::with_capacity(defaults.len());
+        for (n, d) in defaults {
+            let text = match *d {
+                ScalarDefault::Int(v) => v.to_string(),
+                ScalarDefault::Float(v) if v.is_finite() => format!("{v:?}"),
+                ScalarDefault::Float(v) => return Err(invalid(format!("default {n}={v} (a finite float)"))),
+                ScalarDefault::Bool(v) => if v { "True" } else { "False" }.to_owned(),
+            };
+            texts.push((n.as_str(), text));
+        }
+        let texts: Vec<(&str, &str)> = texts.iter().map(|(n, t)| (*n, t.as_str())).collect();
+        let mut op = XlaOp::leak(name, &args, rets, &attrs, out, self.handler);
+        op.validate()?;
+        op.signature.schema()?;
+        if !texts.is_empty() {
+            op.signature = op.signature.leak_defaults(&texts);
+            op.signature.schema()?;
+        }
+        Ok(op)
+    }
+}
+
+/// Defines `op` in `ns` as a native op of the process's torch, with the version bump for
+/// its in-place argument. `Ok(Some(why))`: not hosted here ([`Error::is_unsupported`]), the
+/// Python op stays; `Err`: torch refused the op.
+pub(super) fn register(py: Python<'_>, ns: &str, op: Result<XlaOp, Error>) -> Result<Option<String>, Error> {
+    let attempt = || -> Result<(), Error> {
+        let op = op?;
+        let torch = Torch::attach()?;
+        if op.signature.args().iter().any(|(_, k)| *k == ArgKind::TensorMut)
+            && !install_native_version_hooks(py)
+        {
+            return Err(Error::Invalid(format!(
+                "{}: writes an argument in place, but this torch's version hooks were not found",
+                op.signature.name()
+            )));
+        }
+        register_op(torch, ns, op)
+    };
+    outcome(attempt())
+}
+
+/// What a registration attempt means for `dlbridge.kernels`: `None`, the native op is defined;
+/// `Some(why)`, this process cannot host it ([`Error::is_unsupported`]: a torch without a stable
+/// function, no libtorch, an op the module cannot express) and the Python op is made instead;
+/// `Err`, torch refused the op (raised).
+fn outcome(attempt: Result<(), Error>) -> Result<Option<String>, Error> {
+    match attempt {
+        Ok(()) => Ok(None),
+        Err(e) if e.is_unsupported() => Ok(Some(e.to_string())),
+        Err(e) => Err(e),
+    }
+}
+
+/// The private function `dlbridge.kernels` calls when it makes the kernel's torch op:
+/// `register(namespace, opname, params, defaults) -> None | str` (None: the native op is
+/// defined; a string: why not, and the Python op is made instead).
+pub(super) fn registrar<'py>(
+    py: Python<'py>,
+    out: Option<&str>,
+    attrs: &[(&str, &str)],
+    mutates: &[&str],
+    handler: XLA_FFI_Handler,
+) -> PyResult<Bound<'py, PyCFunction>> {
+    let decl = NativeDecl {
+        out: out.map(str::to_owned),
+        attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
+        mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
+        handler,
+    };
+    let call = move |args: &Bound<'_, PyTuple>,
+                     _kw: Option<&Bound<'_, PyDict>>|
+          -> PyResult<Option<String>> {
+        let py = args.py();
+        let (ns, name, params, defaults): (String, String, Vec<String>, Bound<'_, PyDict>) =
+            args.extract()?;
+        let mut ds = Vec::with_capacity(defaults.len());
+        for (n, v) in defaults.iter() {
+            let n: String = n.extract()?;
+            let Some(t) =
+                decl.attrs.iter().find(|(a, _)| *a == n).and_then(|(_, t)| AttrType::from_numpy_name(t))
+            else {
+                return Ok(Some(format!("default of {n}: not a scalar attribute")));
+            };
+            let d = match t {
+                AttrType::F32 | AttrType::F64 => v.extract::<f64>().map(ScalarDefault::Float),
+                AttrType::I32 | AttrType::I64 => v.extract::<i64>().map(ScalarDefault::Int),
+                AttrType::Bool => v.extract::<bool>().map(ScalarDefault::Bool),
+                AttrType::Str => return Ok(Some(format!("default of {n}: a string"))),
+            };
+            match d {
+                Ok(d) => ds.push((n, d)),
+                // The Python op gets it, and says what torch thinks of it.
+                Err(_) => return Ok(Some(format!("default of {n}: {} is not a {t:?}", v.repr()?))),
+            }
+        }
+        register(py, &ns, decl.op(&name, &params, &ds)).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    };
+    PyCFunction::new_closure(py, Some(c"register_native_op"), None, call)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handler never called here (the op is only built).
+    unsafe extern "C" fn nothing(
+        _frame: *mut crate::xla_ffi::XLA_FFI_CallFrame,
+    ) -> *mut crate::xla_ffi::XLA_FFI_Error {
+        std::ptr::null_mut()
+    }
+
+    fn decl(out: Option<&str>, attrs: &[(&str, &str)], mutates: &[&str]) -> NativeDecl {
+        NativeDecl {
+            out: out.map(str::to_owned),
+            attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
+            mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
+            handler: nothing,
+        }
+    }
+
+    fn params(p: &[&str]) -> Vec<String> {
+        p.iter().map(|&p| p.to_owned()).collect()
+    }
+
+    #[test]
+    fn a_torch_without_a_stable_function_keeps_the_python_op() {
+        let missing = Error::Missing { symbol: "torch_library_impl", torch: "2.9.0".into() };
+        let why = outcome(Err(missing)).unwrap().unwrap();
+        assert!(why.contains("torch 2.9.0 does not export torch_library_impl"), "{why}");
+        let absent =
+            Error::NotLoaded { library: "libtorch_cpu.so".into(), reason: "import torch first".into() };
+        assert!(outcome(Err(absent)).unwrap().unwrap().contains("import torch first"));
+        assert!(outcome(Err(Error::Invalid("too many".into()))).unwrap().is_some());
+        assert_eq!(outcome(Ok(())).unwrap(), None);
+        // torch refusing the op is raised, not hidden behind a second op.
+        let call = Error::Call { function: "aoti_torch_library_def", message: "no".into() };
+        assert!(outcome(Err(call)).is_err());
+    }
+
+    #[test]
+    fn the_op_follows_the_functions_parameters() {
+        let d = decl(Some("x"), &[("a", "float64")], &[]);
+        let op =
+            d.op("k_saxpy", &params(&["a", "x", "y"]), &[("a".into(), ScalarDefault::Float(1e-5))]).unwrap();
+        assert_eq!(op.signature.schema().unwrap(), "k_saxpy(float a=1e-5, Tensor x, Tensor y) -> Tensor");
+        assert!(matches!(op.out, Some(OutRule::Like(1))));
+        let d = decl(None, &[("a", "float32"), ("n", "int32"), ("b", "bool")], &["y"]);
+        let defaults =
+            [("n".to_owned(), ScalarDefault::Int(-3)), ("b".to_owned(), ScalarDefault::Bool(true))];
+        let op = d.op("k_in_place", &params(&["a", "x", "y", "n", "b"]), &defaults).unwrap();
+        assert_eq!(
+            op.signature.schema().unwrap(),
+            "k_in_place(float a, Tensor x, Tensor(a!) y, int n=-3, bool b=True) -> ()"
+        );
+        assert!(op.out.is_none());
+    }
+
+    #[test]
+    fn what_the_native_op_cannot_say_is_unsupported() {
+        let two = decl(None, &[], &["x", "y"]);
+        let e = two.op("k", &params(&["x", "y"]), &[]).unwrap_err();
+        assert!(e.is_unsupported() && e.to_string().contains("2 arguments written in place"), "{e}");
+        let d = decl(Some("x"), &[("a", "float64")], &[]);
+        let e = d
+            .op("k", &params(&["a", "x"]), &[("a".into(), ScalarDefault::Float(f64::INFINITY))])
+            .unwrap_err();
+        assert!(e.is_unsupported() && e.to_string().contains("default a=inf"), "{e}");
+        let e = d.op("k", &params(&["x"]), &[]).unwrap_err();
+        assert!(e.to_string().contains("a is not a parameter"), "{e}");
+        let e = decl(Some("z"), &[], &[]).op("k", &params(&["x"]), &[]).unwrap_err();
+        assert!(e.to_string().contains("out=\"z\" is not a parameter"), "{e}");
+    }
+}
