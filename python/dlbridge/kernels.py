@@ -624,8 +624,8 @@ class Kernel:
         # A native op's Meta kernel is the output rule, registered natively.
         if native is None:
             op.register_fake(fake)
-        # What registers the op's autograd and vmap rules: the custom op itself, or torch.library
-        # for a native op.
+        # What registers the op's autograd rule: the custom op itself, or torch.library for a
+        # native op.
         autograd_target = op if native is None else _LibraryOp(torch, f"{ns}::{opname}")
         if self._backward is not None:
             self._register_torch_autograd(torch, autograd_target)
@@ -636,7 +636,7 @@ class Kernel:
                 raise RuntimeError(self._no_backward_message())
 
             autograd_target.register_autograd(no_backward)
-        self._register_torch_vmap(torch, autograd_target)
+        self._register_torch_vmap(torch, op)
         self._op = op
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
@@ -709,7 +709,10 @@ class Kernel:
                 return torch.stack(outs), 0
             return None, None
 
-        op.register_vmap(rule)
+        if hasattr(op, "register_vmap"):
+            op.register_vmap(rule)
+        else:  # a native op (an OpOverloadPacket): through torch.library
+            torch.library.register_vmap(op.default, rule)
 
     def _make_func(self, torch: Any) -> Any:
         """The kernel as an ``autograd.Function`` in torch.func's style (``setup_context``, a vmap
@@ -893,8 +896,8 @@ def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
 
 
 class _LibraryOp:
-    """A natively defined op's ``register_autograd`` and ``register_vmap``, as a custom op has
-    them (autograd has no stable C API: its formula stays Python, registered on the native op)."""
+    """A natively defined op's ``register_autograd``, as a custom op has it (autograd has no
+    stable C API: its formula stays Python, registered on the native op)."""
 
     __slots__ = ("qualname", "torch")
 
@@ -904,9 +907,6 @@ class _LibraryOp:
 
     def register_autograd(self, backward: Any, /, *, setup_context: Any = None) -> None:
         self.torch.library.register_autograd(self.qualname, backward, setup_context=setup_context)
-
-    def register_vmap(self, rule: Any) -> None:
-        self.torch.library.register_vmap(self.qualname, rule)
 
 
 _FIRST_ORDER: Any = None
