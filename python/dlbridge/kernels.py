@@ -8,8 +8,11 @@ arguments) into one callable that
   custom call of the handler ``ffi`` (a capsule the extension exports), its result shape and dtype
   taken from the declared output rule ``out``;
 - called inside ``torch.compile`` (or eagerly on torch tensors that need a gradient) goes through a
-  ``torch.library.custom_op`` whose fake implementation follows the same rule, so dynamo traces it
-  without a graph break.
+  torch op, so dynamo traces it without a graph break: for a kernel with a handler, a native op
+  registered through torch's stable C ABI (the handler its CPU kernel, the output rule its Meta
+  kernel: no Python inside the op, which ``torch.export`` and AOTInductor packages call too);
+  else, or where the process's torch lacks the stable functions, a ``torch.library.custom_op``
+  whose fake implementation follows the same rule (why: ``_native_fallback``).
 
 Gradients are right or refused, never silently wrong. ``backward`` names the gradient:
 ``(kernel, args, grads)``, where ``args`` are names among the parameters, ``"out"`` (the result) and
@@ -372,7 +375,9 @@ class Kernel:
 
     @property
     def torch_op(self) -> Any:
-        """The ``torch.library`` custom op (None until torch is imported)."""
+        """The kernel's torch op (None until torch is imported): the native op
+        (``torch.ops.<namespace>.<name>``, an ``OpOverloadPacket``) for a kernel with a handler,
+        else the ``torch.library`` custom op."""
         self._sync_torch()
         return self._op
 
