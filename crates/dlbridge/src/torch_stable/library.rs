@@ -143,5 +143,5 @@ impl Library {
 #[track_caller]
 fn caller() -> Result<(&'static CStr, u32)> {
     let l = Location::caller();
-    Ok((Box::leak(cstring("file", l.file())?.into_boxed_c_str()), l.line()))
+    Ok((super::signature::keep(cstring("file", l.file())?.into_boxed_c_str()), l.line()))
 }

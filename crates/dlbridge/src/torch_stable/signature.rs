@@ -1,7 +1,24 @@
 //! An op's signature: its name, arguments and results, the schema string torch parses, and what
 //! the boxed kernel decodes the stack with.
 
+use std::sync::Mutex;
+
 use super::{Error, Result};
+
+/// Keeps `b` for the rest of the process and returns it: what a registered op's names, argument
+/// lists and defaults need (torch keeps the op for the process too). Each block's address stays in
+/// a static list, so leak checkers (`make valgrind`) see it as still reachable, not as lost.
+pub(crate) fn keep<T: ?Sized>(b: Box<T>) -> &'static T {
+    static KEPT: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    let kept: &'static T = Box::leak(b);
+    KEPT.lock().unwrap_or_else(|e| e.into_inner()).push((kept as *const T).cast::<u8>() as usize);
+    kept
+}
+
+/// [`keep`] for a copy of a string.
+pub(crate) fn keep_str(s: &str) -> &'static str {
+    keep(s.to_owned().into_boxed_str())
+}
 
 /// The type of an op's argument or result, as the schema says it and the stack encodes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,22 +80,20 @@ impl OpSignature {
     /// [`with_defaults`](Self::with_defaults) for defaults known at run time (leaked once per
     /// op, as [`leak`](Self::leak) leaks the names).
     pub fn leak_defaults(self, defaults: &[(&str, &str)]) -> Self {
-        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
         let defaults: Vec<(&'static str, &'static str)> =
-            defaults.iter().map(|&(n, v)| (leak(n), leak(v))).collect();
-        Self { defaults: Box::leak(defaults.into_boxed_slice()), ..self }
+            defaults.iter().map(|&(n, v)| (keep_str(n), keep_str(v))).collect();
+        Self { defaults: keep(defaults.into_boxed_slice()), ..self }
     }
 
     /// An op signature made at run time (e.g. from a kernel's declaration when a module
     /// initialises): the name and argument names are leaked, once per op, for the process (as
     /// the op they define lives that long).
     pub fn leak(name: &str, args: &[(&str, ArgKind)], rets: &[ArgKind]) -> Self {
-        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
-        let args: Vec<(&'static str, ArgKind)> = args.iter().map(|&(n, k)| (leak(n), k)).collect();
+        let args: Vec<(&'static str, ArgKind)> = args.iter().map(|&(n, k)| (keep_str(n), k)).collect();
         Self {
-            name: leak(name),
-            args: Box::leak(args.into_boxed_slice()),
-            rets: Box::leak(rets.to_vec().into_boxed_slice()),
+            name: keep_str(name),
+            args: keep(args.into_boxed_slice()),
+            rets: keep(rets.to_vec().into_boxed_slice()),
             defaults: &[],
         }
     }

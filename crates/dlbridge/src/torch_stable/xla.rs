@@ -121,10 +121,10 @@ impl XlaOp {
         handler: XLA_FFI_Handler,
     ) -> Self {
         let attrs: Vec<(&'static str, AttrType)> =
-            attrs.iter().map(|&(n, t)| (&*Box::leak(n.to_owned().into_boxed_str()), t)).collect();
+            attrs.iter().map(|&(n, t)| (super::signature::keep_str(n), t)).collect();
         Self {
             signature: OpSignature::leak(name, args, rets),
-            attrs: Box::leak(attrs.into_boxed_slice()),
+            attrs: super::signature::keep(attrs.into_boxed_slice()),
             out,
             handler,
         }
