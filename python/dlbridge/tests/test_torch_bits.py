@@ -288,9 +288,8 @@ def test_python_run_by_the_write_rules_cannot_leave_a_view_on_freed_memory() -> 
     # tensor's storage there (swap_tensors, set_, .data =) would leave a borrowed view pointing into
     # freed memory (the review's segfault). A view's mutable access now reads the table's
     # description again after the rules and refuses a change; a TensorMut argument reads the rules
-    # before it takes the view. (The getter runs twice here: first when the view is taken, to
-    # refuse a tensor autograd would lose track of, before the description; the mode swaps at the
-    # second, the write rules.)
+    # before it takes the view. (The check made when the view is taken, of a tensor autograd would
+    # lose track of, reads requires_grad through c10 for exactly torch.Tensor: no getter, no mode.)
     need("torch")
     out = _child(
         """
@@ -302,12 +301,8 @@ x = torch.zeros(N, dtype=torch.float64)
 spare = [torch.zeros(N, dtype=torch.float64)]
 class Swapper(TorchFunctionMode):
     armed = True
-    skip = 1
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if Swapper.armed and getattr(func, "__name__", "") == "__get__" and args and args[0] is x:
-            if Swapper.skip:
-                Swapper.skip -= 1
-                return func(*args, **(kwargs or {}))
             Swapper.armed = False
             torch.utils.swap_tensors(x, spare[0])
             spare.clear()  # x's old storage is freed
@@ -323,7 +318,6 @@ y = torch.zeros(N, dtype=torch.float64)
 spare = [torch.zeros(N, dtype=torch.float64)]
 x = y
 Swapper.armed = True
-Swapper.skip = 1
 with Swapper():
     v = spare[0]._version
     D._typed_mut_probe(y)  # the rules ran (and swapped) before the view was taken

@@ -238,13 +238,21 @@ impl TorchState {
     /// `torch.no_grad()` grad mode is off, and in inference mode autograd records nothing: there
     /// the view is taken.
     ///
-    /// For exactly `torch.Tensor`, grad mode is read through c10 (a few instructions; the
-    /// `requires_grad` getter runs only while grad mode is on). Call it before the table's
+    /// For exactly `torch.Tensor`, grad mode and `requires_grad` are read through c10 (a few
+    /// instructions each; the getter, a Python attribute call, cost a view about 50 ns); for other
+    /// types the getter is asked, only while grad mode is on. Call it before the table's
     /// description: the getter may run Python (a subclass, a torch function mode).
     pub(crate) fn refuse_untracked_read(&self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = obj.py();
         let bits = super::torch_bits::aten_bits(py);
-        if bits.and_then(|b| b.grad_enabled()) == Some(false) || !self.requires_grad(obj)? {
+        if bits.and_then(|b| b.grad_enabled()) == Some(false) {
+            return Ok(());
+        }
+        let requires_grad = match bits.and_then(|b| b.requires_grad(obj)) {
+            Some(rg) => rg,
+            None => self.requires_grad(obj)?,
+        };
+        if !requires_grad {
             return Ok(());
         }
         let enabled = match bits.and_then(|b| b.grad_enabled()) {

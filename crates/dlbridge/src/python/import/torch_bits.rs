@@ -91,6 +91,9 @@ pub(crate) struct AtenBits {
     versions: Option<Versions>,
     /// Where a tensor's storage keeps its memory, when found and verified (see [`Keep`]).
     keep: Option<Keep>,
+    /// `bool c10::TensorImpl::requires_grad() const` (its `this`: the tensor's `TensorImpl`), when
+    /// found and verified against the `requires_grad` getter on probes (else the getter is asked).
+    requires_grad: Option<BitFn>,
 }
 
 /// torch's version bump, inference test and grad mode (see the module docs).
@@ -218,6 +221,20 @@ impl AtenBits {
         // the undefined tensor of a cleared object), the GIL is held (`obj` is bound to it), and the function is
         // ATen's native kernel of that signature (verified against the method on probes).
         Some(unsafe { (self.is_neg)(t) })
+    }
+
+    /// `obj.requires_grad` read through c10 (a few instructions, where torch's getter costs a
+    /// Python attribute call), or `None` when `obj` is not exactly `torch.Tensor` or the function
+    /// was not verified.
+    #[inline]
+    pub(crate) fn requires_grad(&self, obj: &Bound<'_, PyAny>) -> Option<bool> {
+        let f = self.requires_grad?;
+        let t = self.tensor_of(obj)?;
+        // SAFETY: `t` points to the live object's defined `at::Tensor` (as in `is_neg`), whose first
+        // word is its `TensorImpl` (checked against `_cdata` on probes); the function is c10's
+        // const member of that name, `this` its only argument, verified against the getter on
+        // probes; it reads two fields and cannot throw.
+        Some(unsafe { f(*t.cast::<*const c_void>()) })
     }
 
     /// `obj.is_conj()` read through ATen, or `None` when `obj` is not exactly `torch.Tensor`.
@@ -442,6 +459,7 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
         undefined: undefined as usize,
         versions: None,
         keep: None,
+        requires_grad: sym(c"_ZNK3c1010TensorImpl13requires_gradEv"),
     };
     // The probes run with the caller's modes set aside (a TorchFunctionMode, a dispatch mode such
     // as FakeTensorMode or make_fx's tracer, a default device, inference mode): they are real CPU
@@ -494,6 +512,7 @@ fn probe(
         None,
     )?;
     let (mut saw_neg, mut saw_conj, mut saw_plain) = (false, false, false);
+    let mut grads = [false; 2];
     for p in probes.try_iter()? {
         let p = p?;
         let Some(t) = bits.tensor_of(&p) else { return Ok(false) };
@@ -501,6 +520,13 @@ fn probe(
         let cdata = unsafe { *t.cast::<usize>() };
         if cdata != p.getattr("_cdata")?.extract::<usize>()? {
             return Ok(false);
+        }
+        // c10's requires_grad must agree with the getter on every probe (one that requires grad
+        // among them), else the getter is asked.
+        let rg = p.getattr("requires_grad")?.extract::<bool>()?;
+        grads[usize::from(rg)] = true;
+        if bits.requires_grad.is_some() && bits.requires_grad(&p) != Some(rg) {
+            bits.requires_grad = None;
         }
         let (neg, conj) =
             (p.call_method0("is_neg")?.extract::<bool>()?, p.call_method0("is_conj")?.extract::<bool>()?);
@@ -513,6 +539,9 @@ fn probe(
     }
     if !(saw_neg && saw_conj && saw_plain) {
         return Ok(false);
+    }
+    if grads != [true, true] {
+        bits.requires_grad = None;
     }
     // A failure there leaves only that part to torch's Python functions (an interrupt is passed on).
     bits.versions = match find_versions(py, torch, bits, lib) {
