@@ -12,6 +12,14 @@
 //! lock first, then every lock in the order they joined, so code must never hold two of these
 //! locks at once (none does: each is held for a few instructions, never while calling code that
 //! could take another), nor call `fork` while holding one.
+//!
+//! The handlers are installed when the library is loaded (a constructor in `.init_array`, or
+//! `__mod_init_func` on Apple targets), before any code of this copy can take one of its locks.
+//! Installing them at a lock's first use instead races with a fork already under way: glibc runs
+//! only the handlers registered when `fork` began (it lets go of its handler list's lock while it
+//! calls each earlier handler), so a native thread that registered them and then took the lock
+//! meanwhile left the child a lock held forever. First use still installs them where no
+//! constructor ran (a target without one).
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -101,15 +109,25 @@ extern "C" fn after_fork() {
     }
 }
 
-/// Installs this copy's fork handlers, once. Never called with one of the locks held: glibc runs
-/// the handlers under its own lock, which `pthread_atfork` takes too.
+/// Installs this copy's handlers when the library is loaded, before any of its code runs (see the
+/// module docs): no lock of this copy can be held by then, so a fork under way that misses them
+/// leaves nothing held in its child.
+#[cfg(all(unix, not(miri)))]
+#[used]
+#[cfg_attr(target_vendor = "apple", unsafe(link_section = "__DATA,__mod_init_func"))]
+#[cfg_attr(not(target_vendor = "apple"), unsafe(link_section = ".init_array"))]
+static INSTALL_AT_LOAD: extern "C" fn() = install_at_load;
+
+#[cfg(all(unix, not(miri)))]
+extern "C" fn install_at_load() {
+    install_handlers();
+}
+
+/// Installs this copy's fork handlers, once: at load (above), else at a lock's first use. Never
+/// called with one of the locks held: glibc runs the handlers under its own lock, which
+/// `pthread_atfork` takes too.
 fn install_handlers() {
-    // 0: not installed, 1: being installed (by another thread: go on; a lock used meanwhile is on
-    // the list before any fork that could find it held runs the handlers, or the handlers are not
-    // installed yet and nothing is guarded), 2: installed. Not a `Once`: a fork while another
-    // thread ran it would leave a `Once` running forever in the child.
-    static STATE: AtomicU8 = AtomicU8::new(0);
-    if STATE.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+    if HANDLERS.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
         return;
     }
     #[cfg(all(unix, not(miri)))]
@@ -125,14 +143,44 @@ fn install_handlers() {
         // unloaded). Only ENOMEM can fail it; forks then stay unguarded, as before.
         unsafe { pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
     }
-    STATE.store(2, Ordering::Release);
+    HANDLERS.store(2, Ordering::Release);
 }
+
+/// Whether this copy's handlers are installed: 0 not yet, 1 being installed (by another thread:
+/// go on), 2 installed. Not a `Once`: a fork while another thread ran it would leave a `Once`
+/// running forever in the child. Installed at load, the other two states are only seen where no
+/// constructor ran.
+static HANDLERS: AtomicU8 = AtomicU8::new(0);
 
 #[cfg(all(test, unix, not(miri)))]
 mod tests {
     use super::*;
 
     static LOCK: ForkSafeMutex<u32> = ForkSafeMutex::new(0);
+
+    /// The handlers are in place before any lock is used: checked in a fresh process (this test
+    /// binary again, running only this test), where nothing has taken a lock yet. Installed at a
+    /// lock's first use instead, a fork already under way missed them (see the module docs).
+    #[test]
+    fn the_handlers_are_installed_at_load_before_any_lock_is_used() {
+        const PROBE: &str = "DLBRIDGE_FORK_HANDLERS_PROBE";
+        if std::env::var_os(PROBE).is_some() {
+            // The fresh process: nothing of this crate has run but the constructor.
+            assert_eq!(HANDLERS.load(Ordering::Acquire), 2, "no fork handlers before the first lock");
+            assert!(guarded().is_empty(), "a lock was used before the check");
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "fork::tests::the_handlers_are_installed_at_load_before_any_lock_is_used"])
+            .args(["--test-threads", "1", "--nocapture"])
+            .env(PROBE, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        // The fresh process ran exactly this test (not zero tests, which would also succeed).
+        assert!(text.contains("1 passed"), "{text}");
+    }
 
     #[test]
     fn a_child_forked_while_another_thread_holds_the_lock_can_take_it() {

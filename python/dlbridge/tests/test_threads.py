@@ -160,18 +160,16 @@ print("hung", hung)
 
 
 @pytest.mark.hooks
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect, open (guarantees issue): a forked child sometimes hangs waiting on the "
-    "deferred-release queue's lock in a pending drain (seen under gdb; in release builds often)",
-)
 def test_a_child_forked_while_native_threads_drop_tensors_does_not_hang() -> None:
     # A forked child inherited the deferred-release queue's lock held by a native thread that was
     # queueing a release at that moment, and hung at its first use of it (4 forks in 100 here
     # without the fork handlers; 50 forks miss that with odds of about 1 in 8 per interpreter, and
-    # make test runs this on six). 50, not 200: a rarer hang remains, cause not found (3 children
-    # in some 8,000 forks this round, more under load, one of them past 20 s: a child waiting on
-    # the queue's lock in a pending drain), an open finding of the guarantees issue.
+    # make test runs this on six). And with them, while they were installed at the lock's first
+    # use: the native thread's first drop installed them during the first fork (glibc runs only
+    # the handlers registered when the fork began), so that child could still inherit the lock
+    # held (about 1 fresh interpreter in 20, more with release builds; the Rust test
+    # `the_handlers_are_installed_at_load_before_any_lock_is_used` pins the cause). They are
+    # installed when the library loads now.
     need("numpy")
     code = FORK_WHILE_DROPPING.replace("FORKS", "50")
     out = subprocess.run(
