@@ -585,6 +585,12 @@ unsafe fn refuse_five(h: dlbridge::torch_stable::sys::AtenTensorHandle) -> bool 
     unsafe { seen(h) }.1 != 5
 }
 
+/// A stand-in for "requires grad in grad mode": a 9-element tensor.
+unsafe fn nine_requires_grad(h: dlbridge::torch_stable::sys::AtenTensorHandle) -> bool {
+    // SAFETY: the hooks' contract: a live handle.
+    unsafe { seen(h) }.1 == 9
+}
+
 unsafe fn recording_bump(h: dlbridge::torch_stable::sys::AtenTensorHandle) {
     // SAFETY: the hooks' contract: a live handle.
     let s = unsafe { seen(h) };
@@ -594,8 +600,12 @@ unsafe fn recording_bump(h: dlbridge::torch_stable::sys::AtenTensorHandle) {
 #[test]
 fn an_in_place_op_checks_then_bumps_its_written_argument_through_the_version_hooks() {
     let Some(t) = setup() else { return };
-    let hooks = dlbridge::torch_stable::VersionHooks { may_write: refuse_five, bump: recording_bump };
-    // SAFETY: both only read the live handle they are given (and record what they saw).
+    let hooks = dlbridge::torch_stable::VersionHooks {
+        may_write: refuse_five,
+        bump: recording_bump,
+        untracked_grad: nine_requires_grad,
+    };
+    // SAFETY: each only reads the live handle they are given (and record what they saw).
     unsafe { dlbridge::torch_stable::set_version_hooks(hooks) };
     assert!(dlbridge::torch_stable::has_version_hooks());
     // 7 and 5 elements: no other test's tensors (other tests run meanwhile, and may reuse an
@@ -625,4 +635,11 @@ fn an_in_place_op_checks_then_bumps_its_written_argument_through_the_version_hoo
     assert!(e.to_string().contains("y: an inference tensor cannot be written in place"), "{e}");
     assert_eq!(f32s(&y5), [3.0; 5]);
     assert!(!BUMPED.lock().unwrap().iter().any(|&(_, n)| n == 5));
+    // An argument autograd would lose track of (read or written), refused before the handler
+    // runs, naming it: nothing written, nothing bumped.
+    let (x9, y9) = (filled(t, &[1.0; 9]), filled(t, &[3.0; 9]));
+    let e = call(&x9, &y9).unwrap_err();
+    assert!(e.to_string().contains("argument 'x' requires grad in grad mode"), "{e}");
+    assert_eq!(f32s(&y9), [3.0; 9]);
+    assert!(!BUMPED.lock().unwrap().iter().any(|&(_, n)| n == 9));
 }

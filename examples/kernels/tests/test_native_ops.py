@@ -120,6 +120,28 @@ def test_the_in_place_native_op_bumps_the_version_counter():
     torch.testing.assert_close(z, torch.ones(3))
 
 
+def test_the_raw_in_place_op_refuses_an_argument_autograd_would_lose():
+    # Called directly (not through the kernel, whose wrapper refuses it first), the op has no
+    # autograd formula: torch's fallback ran it and y's gradient silently lost x's part (x.grad
+    # stayed None). Its CPU kernel refuses that, naming the argument; nothing is written.
+    x = torch.ones(3, requires_grad=True)
+    y = torch.ones(3, requires_grad=True) * 2
+    with pytest.raises(RuntimeError, match="argument 'x' requires grad in grad mode"):
+        k.saxpy_._overload(2.0, x, y)
+    torch.testing.assert_close(y.detach(), torch.full((3,), 2.0))
+    # Outside grad mode, or detached, it runs; the kernel's own call refuses as before.
+    with torch.no_grad():
+        k.saxpy_._overload(2.0, x, y)
+    k.saxpy_._overload(2.0, x.detach(), y.detach())
+    torch.testing.assert_close(y.detach(), torch.full((3,), 6.0))
+    with pytest.raises(RuntimeError, match="requires grad"):
+        k.saxpy_(2.0, x, y)
+    # A kernel with a backward still differentiates (its formula runs the op with grad mode off).
+    s = torch.randn(2, 4, requires_grad=True)
+    k.softmax(s).sum().backward()
+    assert s.grad is not None
+
+
 def test_export_calls_the_native_op_without_python():
     class M(torch.nn.Module):
         def forward(self, x, y):

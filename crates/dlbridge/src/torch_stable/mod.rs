@@ -138,13 +138,20 @@ pub struct VersionHooks {
     pub may_write: unsafe fn(sys::AtenTensorHandle) -> bool,
     /// Adds one to the tensor's version counter, where it has one.
     pub bump: unsafe fn(sys::AtenTensorHandle),
+    /// Whether autograd would lose track of the tensor in this call: it requires grad while grad
+    /// mode is on (outside inference mode). An op's CPU kernel only sees that when no autograd
+    /// formula is registered for it (a registered one runs the op with grad mode off), so its
+    /// result would silently carry no gradient: the call is refused.
+    pub untracked_grad: unsafe fn(sys::AtenTensorHandle) -> bool,
 }
 
 static VERSION_HOOKS: OnceLock<VersionHooks> = OnceLock::new();
 
 /// Installs the functions the CPU kernel of an op that writes a `Tensor(a!)` argument calls on
 /// that argument ([`xla`]): `may_write` before the handler runs (`false` refuses the call, as
-/// torch refuses writing an inference tensor outside inference mode), `bump` after it succeeded.
+/// torch refuses writing an inference tensor outside inference mode), `bump` after it succeeded;
+/// and `untracked_grad`, which it calls on every tensor argument before the handler runs (`true`
+/// refuses the call: gradients right or refused).
 /// torch's `ADInplaceOrView` fallback is a fallthrough for natively registered ops, so without
 /// them an eager in-place call leaves `_version` unchanged and writes an inference tensor
 /// anywhere. Whoever can reach torch's C++ functions (dlbridge's Python layer, through its
@@ -155,8 +162,8 @@ static VERSION_HOOKS: OnceLock<VersionHooks> = OnceLock::new();
 ///
 /// Each function, given a live `AtenTensorHandle` of a defined tensor of this process's
 /// libtorch, on any thread, with or without Python's GIL, must do nothing but what its field
-/// says (read the tensor's counter and the thread's inference mode; add one to the counter), and
-/// must neither unwind nor throw.
+/// says (read the tensor's counter, its `requires_grad` and the thread's grad and inference
+/// modes; add one to the counter), and must neither unwind nor throw.
 pub unsafe fn set_version_hooks(hooks: VersionHooks) -> bool {
     VERSION_HOOKS.set(hooks).is_ok()
 }

@@ -503,9 +503,22 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
         n_ops += 1;
     }
     // What torch's ADInplaceOrView kernel would refuse before the call: writing an inference
-    // tensor outside inference mode.
+    // tensor outside inference mode. And a tensor that requires grad in grad mode: only an op
+    // without an autograd formula gets here so (a registered formula runs the op with grad mode
+    // off), where the result, or the written argument, would silently carry no gradient.
     if let Some(hooks) = super::version_hooks() {
         for (i, &(name, kind)) in sig.args().iter().enumerate() {
+            if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+                continue;
+            }
+            // SAFETY: a live handle of a defined tensor (its device was read above).
+            if unsafe { (hooks.untracked_grad)(args.tensor(i)?.as_raw()) } {
+                return Err(KernelError(format!(
+                    "argument '{name}' requires grad in grad mode, but no autograd formula is \
+                     registered for this op, so its gradient would be lost: give the kernel a \
+                     backward, call it under torch.no_grad(), or detach() '{name}'"
+                )));
+            }
             // SAFETY: a live handle of a defined tensor (its device was read above).
             if kind == ArgKind::TensorMut && !unsafe { (hooks.may_write)(args.tensor(i)?.as_raw()) } {
                 return Err(KernelError(format!(

@@ -359,6 +359,12 @@ impl AtenBits {
 #[cfg(all(feature = "torch-stable", unix))]
 static NATIVE_VERSIONS: std::sync::OnceLock<(CounterFn, TensorFn, FlagFn)> = std::sync::OnceLock::new();
 
+/// The verified `requires_grad`, grad-mode and inference-mode functions, for
+/// [`untracked_grad_handle`] (set once, with [`NATIVE_VERSIONS`], where `requires_grad` was
+/// verified too).
+#[cfg(all(feature = "torch-stable", unix))]
+static NATIVE_GRAD: std::sync::OnceLock<(BitFn, FlagFn, FlagFn)> = std::sync::OnceLock::new();
+
 /// Installs [`crate::torch_stable::set_version_hooks`]'s functions from torch's own (the
 /// verified `version_counter`, `bump_version` and `InferenceMode::is_enabled`), so a native op
 /// that writes an argument in place refuses an inference tensor outside inference mode and bumps
@@ -367,14 +373,23 @@ static NATIVE_VERSIONS: std::sync::OnceLock<(CounterFn, TensorFn, FlagFn)> = std
 /// found or not verified; nothing is checked or bumped then).
 #[cfg(all(feature = "torch-stable", unix))]
 pub(crate) fn install_native_version_hooks(py: Python<'_>) -> bool {
-    let Some(v) = aten_bits(py).and_then(|b| b.versions.as_ref()) else { return false };
+    let Some(bits) = aten_bits(py) else { return false };
+    let Some(v) = bits.versions.as_ref() else { return false };
     NATIVE_VERSIONS.get_or_init(|| (v.version_counter, v.bump_version, v.inference_mode));
-    let hooks = crate::torch_stable::VersionHooks { may_write: may_write_handle, bump: bump_handle };
-    // SAFETY: both functions meet the hooks' contract: given a live handle of a defined tensor
-    // (an `at::Tensor*`, what the verified functions take), they read the tensor's counter and
-    // the thread's inference mode, and bump only where there is a counter, so torch's bump
-    // cannot throw (it throws only for a missing counter outside inference mode); none touches
-    // Python. Another call installs the same functions: the first stay.
+    if let Some(requires_grad) = bits.requires_grad {
+        NATIVE_GRAD.get_or_init(|| (requires_grad, v.grad_enabled, v.inference_mode));
+    }
+    let hooks = crate::torch_stable::VersionHooks {
+        may_write: may_write_handle,
+        bump: bump_handle,
+        untracked_grad: untracked_grad_handle,
+    };
+    // SAFETY: the functions meet the hooks' contract: given a live handle of a defined tensor
+    // (an `at::Tensor*`, what the verified functions take), they read the tensor's counter, its
+    // `requires_grad` and the thread's grad and inference modes, and bump only where there is a
+    // counter, so torch's bump cannot throw (it throws only for a missing counter outside
+    // inference mode); none touches Python. Another call installs the same functions: the first
+    // stay.
     let _ = unsafe { crate::torch_stable::set_version_hooks(hooks) };
     crate::torch_stable::has_version_hooks()
 }
@@ -405,6 +420,22 @@ unsafe fn may_write_handle(t: crate::torch_stable::sys::AtenTensorHandle) -> boo
         Some(&(counter, _, inference)) => unsafe { native_has_counter(counter, t) || inference() },
         None => true,
     }
+}
+
+/// The `untracked_grad` hook: the tensor requires grad while grad mode is on and inference mode
+/// off (`false` where `requires_grad` was not verified: nothing is refused then).
+///
+/// # Safety
+///
+/// `t` is a live `AtenTensorHandle` of a defined tensor.
+#[cfg(all(feature = "torch-stable", unix))]
+unsafe fn untracked_grad_handle(t: crate::torch_stable::sys::AtenTensorHandle) -> bool {
+    let Some(&(requires_grad, grad_enabled, inference)) = NATIVE_GRAD.get() else { return false };
+    // SAFETY: the modes are thread-local reads (verified against torch.is_grad_enabled() and
+    // torch.is_inference_mode_enabled()); `t` is a live `at::Tensor*` of a defined tensor (the
+    // caller's promise), whose first word is its `TensorImpl` (checked against `_cdata` on probes),
+    // the `this` of the verified const member, which reads two fields and cannot throw.
+    unsafe { grad_enabled() && !inference() && requires_grad(*t.cast_const().cast::<*const c_void>()) }
 }
 
 /// The `bump` hook: torch's bump, where the tensor has a counter.
