@@ -216,14 +216,19 @@ macro_rules! common {
         {
             type Error = PyErr;
 
-            #[inline]
+            #[inline(never)]
             fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-                // One out-of-line conversion compiled once in this crate, the spec a constant
-                // argument: this generic function stays a call and a rewrap (`Self` is a
-                // transparent wrapper), small enough to inline into PyO3's argument glue, so the
-                // view is built once, where the kernel's wrapper receives it.
-                extract_checked(obj, &SpecOf::<T, S, O, D>::$spec, $writes)
-                    .map(|view| Self { view, _spec: PhantomData })
+                // Out of line, one per argument type (a call in PyO3's argument glue): the view is
+                // built, checked against the spec (a constant here) and wrapped where it is
+                // returned.
+                let spec = &SpecOf::<T, S, O, D>::$spec;
+                if $writes {
+                    return extract_for_write(obj, spec).map(|view| Self { view, _spec: PhantomData });
+                }
+                // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
+                unsafe {
+                    TensorView::borrow_checked_into(&obj, spec, |view| Self { view, _spec: PhantomData })
+                }
             }
         }
 
@@ -267,23 +272,7 @@ macro_rules! common {
 common!(TensorRef, READ, false);
 common!(TensorMut, WRITE, true);
 
-/// A borrowed view of `obj` checked against `spec` (the one conversion of every typed argument):
-/// a mismatch is [`crate::Error::Mismatch`]; a torch tensor taken for writing (`writes`) has its
-/// version counter bumped.
-#[inline(never)]
-fn extract_checked<'a>(
-    obj: Borrowed<'a, '_, PyAny>,
-    spec: &crate::spec::Spec,
-    writes: bool,
-) -> PyResult<TensorView<'a>> {
-    if writes {
-        return extract_for_write(obj, spec);
-    }
-    // SAFETY: a `Borrowed<'a, ..>` argument is alive for 'a.
-    unsafe { TensorView::borrow_checked(&obj, spec) }
-}
-
-/// [`extract_checked`] for writing. torch's write rules are read first: their getters may run
+/// A typed argument's conversion for writing (`TensorMut`). torch's write rules are read first: their getters may run
 /// Python (a torch function mode, a subclass), which may replace the tensor's storage. Nothing
 /// between taking the view the kernel gets and handing it over runs Python: ATen's version bump
 /// (exactly `torch.Tensor`, verified) runs none; where torch's Python function bumps instead, the

@@ -228,6 +228,24 @@ impl<'a> TensorView<'a> {
     /// The object `obj` refers to lives for `'a`.
     #[inline(always)]
     pub(crate) unsafe fn borrow_checked(obj: &Bound<'_, PyAny>, spec: &Spec) -> PyResult<Self> {
+        // SAFETY: the caller's promise.
+        unsafe { Self::borrow_checked_into(obj, spec, |view| view) }
+    }
+
+    /// [`TensorView::borrow_checked`], handing the accepted view to `wrap` on each path (a typed
+    /// argument's wrapper): the common one then writes the wrapper once, where it is returned
+    /// (mapped after both paths joined, the view was written to the stack and copied twice: a
+    /// tenth of a typed numpy argument's time).
+    ///
+    /// # Safety
+    ///
+    /// The object `obj` refers to lives for `'a`.
+    #[inline(always)]
+    pub(crate) unsafe fn borrow_checked_into<W>(
+        obj: &Bound<'_, PyAny>,
+        spec: &Spec,
+        wrap: impl FnOnce(Self) -> W,
+    ) -> PyResult<W> {
         crate::python::runtime::enter(obj.py());
         // The commonest argument, an exact numpy array, is built where the view is returned: a
         // view written through a chain of returns is read back whole from the stack each time (a
@@ -238,10 +256,10 @@ impl<'a> TensorView<'a> {
         if let Some(p) = crate::python::import::parts_exact(obj) {
             let flags = Flags::NONE.with(Flags::READ_ONLY, p.readonly);
             if let Some(block) = Self::numpy_block(p) {
-                return Self::from_borrow(block, flags, source, spec);
+                return Self::from_borrow_into(block, flags, source, spec, wrap);
             }
         }
-        Self::borrow_other(obj, source, spec)
+        Self::borrow_other(obj, source, spec).map(wrap)
     }
 
     /// The view of a filled block: its `DLTensor` pointed at its dims, then the common tensor
@@ -254,6 +272,19 @@ impl<'a> TensorView<'a> {
         source: NonNull<ffi::PyObject>,
         spec: &Spec,
     ) -> PyResult<Self> {
+        Self::from_borrow_into(borrow, flags, source, spec, |view| view)
+    }
+
+    /// [`TensorView::from_borrow`], the accepted view handed to `wrap` where it is built (see
+    /// [`TensorView::borrow_checked_into`]).
+    #[inline(always)]
+    fn from_borrow_into<W>(
+        borrow: Box<Borrow>,
+        flags: Flags,
+        source: NonNull<ffi::PyObject>,
+        spec: &Spec,
+        wrap: impl FnOnce(Self) -> W,
+    ) -> PyResult<W> {
         let block = Box::into_raw(borrow);
         // SAFETY: `block` is a live, exclusively owned block; the dims pointers are derived through
         // it and written into its DLTensor in place, and the tensor pointer too. The block and what
@@ -267,10 +298,10 @@ impl<'a> TensorView<'a> {
             let block = NonNull::new_unchecked(block);
             match ManagedTensor::borrowed_if_common(p, flags) {
                 Some(tensor) if tensor.first_failure(spec).is_none() => {
-                    Ok(Self::with(tensor, Some(block), source))
+                    Ok(wrap(Self::with(tensor, Some(block), source)))
                 }
                 Some(tensor) => Err(Self::with(tensor, Some(block), source).refused(spec)),
-                None => Self::from_borrow_general(p, block, flags, source, spec),
+                None => Self::from_borrow_general(p, block, flags, source, spec).map(wrap),
             }
         }
     }
