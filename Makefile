@@ -132,7 +132,8 @@ package: $(STAMP) ## build the crate and the wheel/sdist and check them
 gpu-bundle: $(STAMP) ## wheels + tests + run.sh for a GPU machine, in target/gpu-bundle
 	bash scripts/gpu_bundle.sh
 
-# Side-by-side benchmarks (release builds of dlbridge and of the peer shims), criterion benchmarks of
+# Side-by-side benchmarks (release builds of dlbridge and of the peer shims; the nanobind shim with the
+# system C++ compiler into target/bench-nanobind), criterion benchmarks of
 # the Rust core, callgrind instruction counts; writes docs/BENCHMARKS.md and docs/bench_sizes.png.
 bench: $(STAMP) ## side-by-side benchmarks; writes docs/BENCHMARKS.md
 	$(PY) -m pip install --quiet -r bench/requirements-bench.txt
@@ -141,6 +142,7 @@ bench: $(STAMP) ## side-by-side benchmarks; writes docs/BENCHMARKS.md
 	cd examples/kernels && $(MATURIN) develop --release --quiet
 	cd bench/shim-pyo3-dlpack && $(MATURIN) develop --release --quiet
 	cd bench/shim-dlpark && $(MATURIN) develop --release --quiet
+	$(PY) bench/shim-nanobind/build.py $(CURDIR)/target/bench-nanobind
 	@command -v valgrind >/dev/null || (apt-get update -qq && apt-get install -y -qq valgrind)
 	mkdir -p bench/rust-core/target && cd bench/rust-core && $(CARGO) bench --bench core -- --warm-up-time 1 --measurement-time 3 2>&1 | tee target/criterion.txt
 	cd /tmp && $(PY) $(CURDIR)/bench/bench.py

@@ -9,7 +9,8 @@ Also: per-call cost against tensor size (1e3 to 1e8 elements) for zero-copy path
 copying one, peak memory beyond the buffer when a 1e8-element tensor made in Rust is consumed by
 numpy, torch and jax (each in a fresh subprocess), and instruction counts from callgrind, which
 do not swing; and tensors sent to other processes (bench_processes.py: multiprocessing, torch's
-queue, Ray). Writes docs/BENCHMARKS.md and docs/bench_sizes.png.
+queue, Ray); and the README's typed argument and result paths against the same functions written
+with nanobind (bench_nanobind.py). Writes docs/BENCHMARKS.md and docs/bench_sizes.png.
 """
 
 from __future__ import annotations
@@ -199,6 +200,11 @@ def main() -> int:
     import bench_modes  # one Rust kernel eagerly, in jax.jit, in torch.compile (issue 22): bench/bench_modes.py
 
     targets += bench_modes.run(quick=args.quick)[1]
+    import bench_nanobind  # the README's argument and result paths against nanobind (issue 31): bench/bench_nanobind.py
+
+    nb_results, nb_targets = bench_nanobind.run(quick=args.quick)
+    results.update(nb_results)
+    targets += nb_targets
 
     print("\n== targets")
     for tg in targets:
@@ -416,7 +422,7 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     v = {"python": platform.python_version()}
-    for dist in ["numpy", "torch", "jax", "pydlpack", "dlbridge"]:
+    for dist in ["numpy", "torch", "jax", "pydlpack", "nanobind", "dlbridge"]:
         try:
             v[dist] = version(dist)
         except PackageNotFoundError:

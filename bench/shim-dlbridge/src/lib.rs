@@ -182,6 +182,33 @@ fn empty_inplace(x: dlbridge::TensorMut<'_, f32>) {
     let _ = x;
 }
 
+// --- against nanobind (issue 31): the README's argument and result paths, one function each; the
+// nanobind shim (bench/shim-nanobind) has the same functions in C++ ---
+
+/// A read-only argument as the README declares one (`TensorRef<'_, f32, Rank<1>, C>`): its address.
+#[pyfunction]
+fn arg_ref_1c(x: dlbridge::TensorRef<'_, f32, dlbridge::spec::Rank<1>, dlbridge::spec::C>) -> usize {
+    x.data_ptr() as usize
+}
+
+/// A writable argument as the README declares one (`TensorMut<'_, f32, Rank<1>, C>`): its address.
+#[pyfunction]
+fn arg_mut_1c(mut x: dlbridge::TensorMut<'_, f32, dlbridge::spec::Rank<1>, dlbridge::spec::C>) -> usize {
+    x.data_ptr_mut() as usize
+}
+
+/// A Rust-made `n`-element float32 result as a numpy.ndarray, written as the README writes it.
+#[pyfunction]
+fn numpy_from_vec(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyAny>> {
+    dlbridge::Framework::numpy(py)?.from_vec(py, vec![0f32; n], &[n])
+}
+
+/// A Rust-made `n`-element float32 result as a torch.Tensor, written as the README writes it.
+#[pyfunction]
+fn torch_from_vec(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyAny>> {
+    dlbridge::Framework::torch(py)?.from_vec(py, vec![0f32; n], &[n])
+}
+
 /// The shim module.
 #[pymodule]
 fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -202,5 +229,9 @@ fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(round_trip, m)?)?;
     m.add_function(wrap_pyfunction!(empty_xla_capsule, m)?)?;
     m.add_function(wrap_pyfunction!(empty_inplace, m)?)?;
+    m.add_function(wrap_pyfunction!(arg_ref_1c, m)?)?;
+    m.add_function(wrap_pyfunction!(arg_mut_1c, m)?)?;
+    m.add_function(wrap_pyfunction!(numpy_from_vec, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_from_vec, m)?)?;
     Ok(())
 }
