@@ -151,6 +151,14 @@ pub fn may_overlap(shape: &[i64], strides: &[i64]) -> bool {
         // A mismatched layout is refused elsewhere; an empty one has nothing to overlap.
         return shape.len() != strides.len();
     }
+    // The common layouts first: one axis (elements meet only at stride 0), and compact row-major
+    // strides (each element its own offset).
+    if let ([d], [s]) = (shape, strides) {
+        return *d > 1 && *s == 0;
+    }
+    if is_c_contiguous(shape, strides) {
+        return false;
+    }
     // (stride, steps) of every axis that steps, sorted by stride: on the stack for the usual ranks.
     let mut inline = [(0u64, 0u64); crate::dims::INLINE];
     let mut heap = Vec::new();

@@ -286,42 +286,50 @@ def test_a_view_made_typed_for_writing_bumps_the_version_too() -> None:
 def test_python_run_by_the_write_rules_cannot_leave_a_view_on_freed_memory() -> None:
     # torch's requires_grad getter calls an active TorchFunctionMode; one that replaces the
     # tensor's storage there (swap_tensors, set_, .data =) would leave a borrowed view pointing into
-    # freed memory (the review's segfault). A view's mutable access now reads the table's
-    # description again after the rules and refuses a change; a TensorMut argument reads the rules
-    # before it takes the view. (The check made when the view is taken, of a tensor autograd would
-    # lose track of, reads requires_grad through c10 for exactly torch.Tensor: no getter, no mode.)
+    # freed memory (the review's segfault). For exactly torch.Tensor the rules read requires_grad
+    # through c10 now: no getter, no mode, nothing swapped. For a subclass the getter runs: a
+    # view's mutable access reads the table's description again after the rules and refuses a
+    # change, or the rules ran before the view was taken; either way the write lands in live
+    # memory (the tensor's new storage), never in the freed one.
     need("torch")
     out = _child(
         """
 import torch, dlbridge._dlbridge as D
 from torch.overrides import TorchFunctionMode
+class Sub(torch.Tensor):
+    pass
 D._typed_mut_probe(torch.zeros(3, dtype=torch.float64))
 N = 1 << 16
-x = torch.zeros(N, dtype=torch.float64)
-spare = [torch.zeros(N, dtype=torch.float64)]
 class Swapper(TorchFunctionMode):
     armed = True
+    target = None
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if Swapper.armed and getattr(func, "__name__", "") == "__get__" and args and args[0] is x:
+        if Swapper.armed and getattr(func, "__name__", "") == "__get__" and args and args[0] is Swapper.target:
             Swapper.armed = False
-            torch.utils.swap_tensors(x, spare[0])
-            spare.clear()  # x's old storage is freed
+            torch.utils.swap_tensors(Swapper.target, spare[0])
+            spare.clear()  # the target's old storage is freed
         return func(*args, **(kwargs or {}))
-with Swapper():
-    try:
-        D._view_add(x, 7.0)
-        raise SystemExit("accepted")
-    except TypeError as e:
-        assert "data: the tensor's memory was replaced" in str(e), e
-assert float(x.sum()) == 0.0
-y = torch.zeros(N, dtype=torch.float64)
-spare = [torch.zeros(N, dtype=torch.float64)]
-x = y
-Swapper.armed = True
-with Swapper():
-    v = spare[0]._version
-    D._typed_mut_probe(y)  # the rules ran (and swapped) before the view was taken
-assert y._version == v + 1, (y._version, v)  # y now holds the spare's tensor, bumped once
+for kind in (torch.Tensor, Sub):
+    x = torch.zeros(N, dtype=torch.float64).as_subclass(kind)
+    spare = [torch.zeros(N, dtype=torch.float64).as_subclass(kind)]
+    Swapper.armed, Swapper.target = True, x
+    with Swapper():
+        try:
+            D._view_add(x, 7.0)
+            written = True
+        except TypeError as e:
+            assert "data: the tensor's memory was replaced" in str(e), e
+            written = False
+    # Exactly torch.Tensor: no Python ran in the rules. A subclass: the getter swapped.
+    assert Swapper.armed == (kind is torch.Tensor), (kind, Swapper.armed)
+    assert float(x.sum()) == (7.0 * N if written else 0.0), (kind, float(x.sum()))
+    y = torch.zeros(N, dtype=torch.float64).as_subclass(kind)
+    spare = [torch.zeros(N, dtype=torch.float64).as_subclass(kind)]
+    Swapper.armed, Swapper.target = True, y
+    with Swapper():
+        v = y._version if kind is torch.Tensor else spare[0]._version
+        D._typed_mut_probe(y)  # the rules ran (and swapped, for the subclass) before the view
+    assert y._version == v + 1, (kind, y._version, v)  # y's tensor (the spare's, swapped in), bumped once
 print("ok")
 """
     )

@@ -319,8 +319,12 @@ impl TorchState {
         // Function, under no_grad or in inference mode), read only for such a tensor. A getter
         // that raises (a torch function mode may run Python there) refuses the write too, with
         // its own words.
-        let why =
-            self.requires_grad(obj).and_then(|rg| if rg { grad_write_refusal(self, obj) } else { Ok(None) });
+        // `requires_grad` through c10 for exactly `torch.Tensor` (no Python), else the getter.
+        let requires_grad = match bits.and_then(|b| b.requires_grad(obj)) {
+            Some(rg) => Ok(rg),
+            None => self.requires_grad(obj),
+        };
+        let why = requires_grad.and_then(|rg| if rg { grad_write_refusal(self, obj) } else { Ok(None) });
         let why = why.map_err(|e| refused(format!("could not be read: {e}")))?;
         let Some(why) = why else { return Ok(()) };
         // Inside inference mode autograd records nothing: torch writes such a leaf there, even under
