@@ -7,7 +7,9 @@ mod native;
 mod typed;
 mod view;
 
-pub use kernel::{KernelDef, add_kernel, xla_capsule};
+pub use kernel::{
+    AttrValue, Attrs, KernelDef, ResultDType, ResultDef, ResultShape, ShapeFn, add_kernel, xla_capsule,
+};
 #[cfg(all(feature = "torch-stable", unix))]
 pub use native::install_torch_version_hooks;
 pub use typed::{HostSpec, TensorMut, TensorRef};
