@@ -331,7 +331,8 @@ class Kernel:
                 _watch_import("jax")
         if self._results:
             # The caller sees the visible results only (one kernel class per shape of return, so
-            # a kernel with one result pays nothing for this).
+            # a kernel with one result pays nothing for this): one, or a tuple of several.
+            self._pick = _picker(self._visible)
             self.__class__ = _SeveralResults
 
     def _declare_results(
@@ -1038,16 +1039,40 @@ class Kernel:
         return f
 
 
+def _picker(visible: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
+    """What a kernel with several results returns of the raw results: the visible one, or a tuple
+    of the visible ones (a plain function: dynamo inlines it)."""
+    if len(visible) == 1:
+        i = visible[0]
+
+        def pick(outs: Sequence[Any]) -> Any:
+            return outs[i]
+    else:
+
+        def pick(outs: Sequence[Any]) -> Any:
+            return tuple(outs[j] for j in visible)
+
+    return pick
+
+
 class _SeveralResults(Kernel):
     """A kernel with several results (``results=``): every mode computes them all (the raw op
     returns them all); the caller gets the visible ones, one tensor or a tuple."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outs = Kernel.__call__(self, *args, **kwargs)
-        visible = self._visible
-        if len(visible) == 1:
-            return outs[visible[0]]
-        return tuple(outs[i] for i in visible)
+        if self._compiling():
+            # As Kernel.__call__ under dynamo, reading as little (each read is a guard checked at
+            # every compiled call): the op's overload, then the visible results.
+            for a in args:
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
+            for a in kwargs.values():
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
+            return self._pick(self._overload(*args, **kwargs))
+        return self._pick(Kernel.__call__(self, *args, **kwargs))
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

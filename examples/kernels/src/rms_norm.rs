@@ -67,7 +67,7 @@ fn backward_body<T: Real>(x: &[T], w: &[T], rstd: &[T], g: &[T], dx: &mut [T], d
 
 /// `rstd`'s shape: `x`'s without its last axis (one value per row). `shapes` are the tensor
 /// arguments' (`x`, `weight`, ...), in order.
-pub(crate) fn rows(shapes: &[&[i64]], _attrs: &Attrs) -> std::result::Result<Vec<i64>, String> {
+pub(crate) fn rows(shapes: &[&[i64]], _attrs: &Attrs<'_>) -> std::result::Result<Vec<i64>, String> {
     match shapes.first() {
         Some(&[rows, _]) => Ok(vec![*rows]),
         Some(s) => Err(format!("x: expected 2 dimensions, got shape {s:?}")),

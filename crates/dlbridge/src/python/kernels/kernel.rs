@@ -99,27 +99,27 @@ pub enum AttrValue {
 /// The kernel's scalar attributes by name, as a [`ShapeFn`] reads them (the values of the call
 /// being traced or run).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Attrs {
-    values: Vec<(String, AttrValue)>,
+pub struct Attrs<'a> {
+    values: Vec<(&'a str, AttrValue)>,
 }
 
-impl Attrs {
+impl<'a> Attrs<'a> {
     /// No attributes.
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Adds attribute `name` (a later value of the same name replaces it).
-    pub fn insert(&mut self, name: &str, value: AttrValue) {
-        match self.values.iter_mut().find(|(n, _)| n == name) {
+    pub fn insert(&mut self, name: &'a str, value: AttrValue) {
+        match self.values.iter_mut().find(|(n, _)| *n == name) {
             Some(slot) => slot.1 = value,
-            None => self.values.push((name.to_owned(), value)),
+            None => self.values.push((name, value)),
         }
     }
 
     /// Attribute `name`, if the kernel has it.
     pub fn get(&self, name: &str) -> Option<AttrValue> {
-        self.values.iter().find(|(n, _)| n == name).map(|&(_, v)| v)
+        self.values.iter().find(|(n, _)| *n == name).map(|&(_, v)| v)
     }
 
     fn missing(name: &str, want: &str) -> String {
@@ -156,7 +156,7 @@ impl Attrs {
 /// attributes left out) and the attributes; an `Err` names what is wrong (the caller sees it as
 /// the kernel's error, under `jax.jit`, `torch.compile` and eagerly alike). Plain Rust, no
 /// Python: the native torch op's Meta and CPU kernels call it too.
-pub type ShapeFn = fn(&[&[i64]], &Attrs) -> Result<Vec<i64>, String>;
+pub type ShapeFn = fn(&[&[i64]], &Attrs<'_>) -> Result<Vec<i64>, String>;
 
 /// How a result's shape is found.
 #[derive(Debug, Clone, Copy)]
@@ -284,7 +284,7 @@ pub(super) fn result_shapes(
     kernel: &str,
     results: &[Resolved],
     shapes: &[&[i64]],
-    attrs: &Attrs,
+    attrs: &Attrs<'_>,
 ) -> Result<Vec<Vec<i64>>, String> {
     let mut out = Vec::with_capacity(results.len());
     for r in results {
@@ -311,9 +311,9 @@ fn result_rule<'py>(py: Python<'py>, kernel: String, results: Vec<Resolved>) -> 
                      _kw: Option<&Bound<'_, PyDict>>|
           -> PyResult<Vec<(Vec<i64>, String)>> {
         let (shapes, dtypes, attrs): (Vec<Vec<i64>>, Vec<String>, Bound<'_, PyDict>) = args.extract()?;
+        let names: Vec<String> = attrs.keys().iter().map(|n| n.extract()).collect::<PyResult<_>>()?;
         let mut a = Attrs::new();
-        for (n, v) in attrs.iter() {
-            let n: String = n.extract()?;
+        for (n, v) in names.iter().zip(attrs.values().iter()) {
             // bool before int (a Python bool is an int); numpy scalars convert too.
             let value = if v.is_instance_of::<pyo3::types::PyBool>() || v.get_type().name()? == "bool" {
                 AttrValue::Bool(v.extract()?)
@@ -326,7 +326,7 @@ fn result_rule<'py>(py: Python<'py>, kernel: String, results: Vec<Resolved>) -> 
             } else {
                 AttrValue::Float(v.extract()?)
             };
-            a.insert(&n, value);
+            a.insert(n, value);
         }
         let views: Vec<&[i64]> = shapes.iter().map(Vec::as_slice).collect();
         let made =
@@ -440,7 +440,7 @@ pub fn add_kernel<'py>(
 mod tests {
     use super::*;
 
-    fn rows(shapes: &[&[i64]], attrs: &Attrs) -> Result<Vec<i64>, String> {
+    fn rows(shapes: &[&[i64]], attrs: &Attrs<'_>) -> Result<Vec<i64>, String> {
         let k = attrs.i64("k").unwrap_or(1);
         match shapes.first() {
             Some(&[r, _]) => Ok(vec![r * k]),
@@ -489,7 +489,7 @@ mod tests {
         assert!(e.contains("letters, digits and underscores"), "{e}");
         let e = resolve("k", &p, &attrs, &[ResultDef::like("y", "x").residual()]).unwrap_err();
         assert!(e.contains("every result is a residual"), "{e}");
-        fn negative(_: &[&[i64]], _: &Attrs) -> Result<Vec<i64>, String> {
+        fn negative(_: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
             Ok(vec![-1])
         }
         let r = resolve("k", &p, &attrs, &[ResultDef::rule("y", negative, ResultDType::Like("x"))]).unwrap();

@@ -318,7 +318,7 @@ mod tests {
     #[test]
     fn several_results_make_a_tuple_schema_and_a_rule_output() {
         use super::super::kernel::{ResultDType, ResultDef, resolve};
-        fn rows(s: &[&[i64]], _: &Attrs) -> Result<Vec<i64>, String> {
+        fn rows(s: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
             Ok(vec![s[0][0]])
         }
         let p = params(&["x", "w", "eps"]);
