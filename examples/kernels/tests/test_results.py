@@ -167,6 +167,7 @@ def test_opcheck_on_the_native_ops(torch):
         torch.ops.dlbridge_kernels.rms_norm.default, (x.clone().requires_grad_(), w.clone().requires_grad_(), EPS)
     )
     torch.library.opcheck(torch.ops.dlbridge_kernels.rms_norm_backward.default, (x, w, rstd, torch.ones_like(x)))
+    torch.library.opcheck(torch.ops.dlbridge_kernels.rms_norm_inference.default, (x, w, EPS))
 
 
 def test_gradcheck_and_the_reference(torch):
@@ -245,6 +246,77 @@ def test_a_kernel_made_from_python_gets_a_custom_op_with_the_same_rules(torch):
     (torch_reference(torch, xb, wb) * xb.cos()).sum().backward()
     torch.testing.assert_close(xa.grad, xb.grad)
     torch.testing.assert_close(wa.grad, wb.grad)
+
+
+# --- several visible results, each with its cotangent ---
+
+
+def both_visible():
+    """rms_norm's function and handler declared with both results visible (no residual): the
+    backward gets each one's cotangent, grad_y and grad_rstd (written with array operations both
+    torch and jax have)."""
+
+    def backward(named):
+        x, w, rstd = named["x"], named["weight"], named["rstd"]
+        dx, dw = K.rms_norm_backward(x, w, rstd, named["grad_y"])
+        # d rstd / d x = -rstd**3 * x / n, row by row.
+        dx = dx - (rstd**3 * named["grad_rstd"])[:, None] * x / x.shape[-1]
+        return {"x": dx, "weight": dw}
+
+    return dlbridge.kernels.kernel(
+        K.rms_norm.__wrapped__,
+        name="rms_norm_both",
+        namespace="dlbridge_results_test",
+        attrs={"eps": "float64"},
+        ffi=K.rms_norm._ffi,
+        results=("y", "rstd"),
+        result_rule=K.rms_norm._result_rule,
+        backward=backward,
+    )
+
+
+BOTH = both_visible()
+
+
+def test_several_visible_results_torch_gradients(torch):
+    x, w = (torch.from_numpy(a).requires_grad_() for a in data())
+    y, rstd = BOTH(x, w)
+    torch.testing.assert_close(rstd.detach(), torch.rsqrt((x * x).mean(-1) + EPS).detach())
+    assert torch.autograd.gradcheck(lambda a, b: BOTH(a, b), (x, w))
+    # Only one of the two used: the other's cotangent is zero.
+    assert torch.autograd.gradcheck(lambda a, b: BOTH(a, b)[1], (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: BOTH(a, b)[0], (x, w))
+    torch.library.opcheck(BOTH.torch_op, (x, w, EPS))
+    torch._dynamo.reset()
+    c = torch.compile(lambda a, b: (lambda y, r: (y * a.cos()).sum() + (r * r).sum())(*BOTH(a, b)), fullgraph=True)
+    xa, wa = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    c(xa, wa).backward()
+    xb, wb = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    rb = torch.rsqrt((xb * xb).mean(-1) + EPS)
+    ((torch_reference(torch, xb, wb) * xb.cos()).sum() + (rb * rb).sum()).backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    torch.testing.assert_close(wa.grad, wb.grad)
+
+
+def test_several_visible_results_jax_gradients(jax):
+    from jax.test_util import check_grads
+
+    jnp = jax.numpy
+    x, w = map(jnp.asarray, data())
+    y, rstd = jax.jit(BOTH)(x, w)
+    np.testing.assert_allclose(rstd, reference(np.asarray(x), np.asarray(w))[1], rtol=1e-12)
+    check_grads(BOTH, (x, w), order=1, modes=["rev"])
+
+    def loss(f):
+        return lambda a, b: (lambda y, r: (y * jnp.cos(a)).sum() + (r * r).sum())(*f(a, b))
+
+    def ref(a, b):
+        return jax_reference(jax, a, b), jax.lax.rsqrt((a * a).mean(-1) + EPS)
+
+    got = jax.jit(jax.grad(loss(BOTH), argnums=(0, 1)))(x, w)
+    want = jax.grad(loss(ref), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
 
 
 # --- declarations refused ---
