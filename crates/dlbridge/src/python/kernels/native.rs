@@ -14,7 +14,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
 
-use super::kernel::{AttrValue, Attrs, Resolved, result_shapes};
+use super::results::{AttrValue, Attrs, Resolved, result_shapes};
 use crate::python::import::install_native_version_hooks;
 use crate::torch_stable::xla::{AttrType, OutRule, TensorInfo, XlaOp, register_op};
 use crate::torch_stable::{ArgKind, Error, Torch};
@@ -317,7 +317,7 @@ mod tests {
 
     #[test]
     fn several_results_make_a_tuple_schema_and_a_rule_output() {
-        use super::super::kernel::{ResultDType, ResultDef, resolve};
+        use super::super::results::{ResultDType, ResultDef, resolve};
         fn rows(s: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
             Ok(vec![s[0][0]])
         }
