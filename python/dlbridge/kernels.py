@@ -290,7 +290,9 @@ class Kernel:
         self._target = target
         if backward is not None and not callable(backward):
             bk, bargs, bgrads = backward
-            known = {"out", "grad", *self._results, *(f"grad_{r}" for r in self._results)}
+            # The results by name, and their cotangents.
+            declared: tuple[str, ...] = self._results
+            known = {"out", "grad", *declared, *[f"grad_{n}" for n in declared]}
             for n in bargs:
                 if n not in self._index and n not in known:
                     raise ValueError(f"kernel {self.__name__}: backward argument {n!r} is unknown")
@@ -345,28 +347,32 @@ class Kernel:
             raise ValueError(f"kernel {name}: results= with mutates=: a kernel with several results writes no argument")
         if not callable(rule):
             raise ValueError(f"kernel {name}: results= needs result_rule=, each result's shape and dtype")
-        results = tuple(results)
-        if not results:
+        names: tuple[str, ...] = tuple(results)
+        if not names:
             raise ValueError(f"kernel {name}: results=() names no result")
-        for r in results:
-            if not isinstance(r, str) or not _IDENTIFIER.fullmatch(r):
-                raise ValueError(f"kernel {name}: result name {r!r}: letters, digits and underscores, a letter first")
-            if r in self._index or r in ("out", "grad") or r.startswith("grad_") or results.count(r) > 1:
-                raise ValueError(f"kernel {name}: result name {r!r} is taken (a parameter, out, grad, grad_*, or twice)")
-        for r in residuals:
-            if r not in results:
-                raise ValueError(f"kernel {name}: residuals names {r!r}, not one of results {results}")
-        visible = tuple(i for i, r in enumerate(results) if r not in residuals)
+        for n in names:
+            if not isinstance(n, str) or not _IDENTIFIER.fullmatch(n):
+                raise ValueError(f"kernel {name}: result name {n!r}: letters, digits and underscores, a letter first")
+            if n in self._index or n in ("out", "grad") or n.startswith("grad_") or names.count(n) > 1:
+                raise ValueError(f"kernel {name}: result name {n!r} is taken (a parameter, out, grad, grad_*, or twice)")
+        for n in residuals:
+            if n not in names:
+                raise ValueError(f"kernel {name}: residuals names {n!r}, not one of results {names}")
+        visible = tuple(i for i, n in enumerate(names) if n not in residuals)
         if not visible:
             raise ValueError(f"kernel {name}: every result is a residual; the caller needs one")
-        self._results, self._residuals, self._visible = results, tuple(residuals), visible
+        self._results = names
+        self._residuals = tuple(residuals)
+        self._visible = visible
 
     def _result_types(self, tensors: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[tuple[int, ...], str]]:
         """Each result's (shape, dtype name) by the result rule, for arrays or tensors (fake ones
         included) in parameter order."""
         shapes = [tuple(int(d) for d in t.shape) for t in tensors]
         dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
-        made = list(self._result_rule(shapes, dtypes, dict(attrs)))
+        rule = self._result_rule
+        assert rule is not None  # results= needs it (checked at declaration)
+        made = list(rule(shapes, dtypes, dict(attrs)))
         if len(made) != len(self._results):
             raise ValueError(
                 f"{self.__name__}: result_rule gave {len(made)} results, the kernel declares {len(self._results)}"
@@ -708,12 +714,14 @@ class Kernel:
         if self._results:
             tensor_idx, attr_idx, params = self._tensor_idx, self._attr_idx, self._params
 
-            def fake(*vals: Any, **kw: Any) -> Any:
+            def fake_several(*vals: Any, **kw: Any) -> Any:
                 # torch may pass the scalar arguments by keyword.
-                vals = self._bind(vals, kw) if kw or len(vals) < len(params) else vals
-                made = self._result_types([vals[i] for i in tensor_idx], {params[i]: vals[i] for i in attr_idx})
-                x = vals[tensor_idx[0]]
+                bound = self._bind(vals, kw) if kw or len(vals) < len(params) else vals
+                made = self._result_types([bound[i] for i in tensor_idx], {params[i]: bound[i] for i in attr_idx})
+                x = bound[tensor_idx[0]]
                 return tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+
+            fake = fake_several
         elif functional:
             rule = out.rule
             if rule is not None:
@@ -1058,6 +1066,8 @@ def _picker(visible: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
 class _SeveralResults(Kernel):
     """A kernel with several results (``results=``): every mode computes them all (the raw op
     returns them all); the caller gets the visible ones, one tensor or a tuple."""
+
+    _pick: Callable[[Sequence[Any]], Any]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiling():
