@@ -218,6 +218,19 @@ def test_torch_func_grad_and_vmap(torch):
     )
 
 
+def test_torch_func_vmap_of_a_kernel_with_two_results(torch):
+    x, w = (torch.from_numpy(a) for a in data())
+    xs = torch.stack([x, 2 * x])
+    rstd = torch.rsqrt((xs * xs).mean(-1) + EPS)
+    g = torch.ones_like(xs)
+    dx, dw = torch.func.vmap(K.rms_norm_backward, in_dims=(0, None, 0, 0))(xs, w, rstd, g)
+    assert dx.shape == (2, 5, 7) and dw.shape == (2, 7)
+    for b in range(2):
+        want = K.rms_norm_backward(xs[b], w, rstd[b], g[b])
+        torch.testing.assert_close(dx[b], want[0])
+        torch.testing.assert_close(dw[b], want[1])
+
+
 def test_a_kernel_made_from_python_gets_a_custom_op_with_the_same_rules(torch):
     """The same function and handler declared from Python (no native registrar): the Python
     custom op, its fake results from result_rule, the residual dropped, the backward fed."""
