@@ -14,7 +14,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
 
-use super::results::{AttrValue, Attrs, Resolved, result_shapes};
+use super::results::{AttrValue, Attrs, Resolved, result_shape};
 use crate::python::import::install_native_version_hooks;
 use crate::torch_stable::xla::{AttrType, OutRule, TensorInfo, XlaOp, register_op};
 use crate::torch_stable::{ArgKind, Error, Torch};
@@ -147,7 +147,9 @@ impl NativeDecl {
             move |infos: &[TensorInfo],
                   args: &crate::torch_stable::Args|
                   -> Result<Vec<TensorInfo>, crate::torch_stable::KernelError> {
-                let mut a = Attrs::new();
+                // Called at every call of the op (its CPU kernel makes its result buffers by it):
+                // no allocation but the attributes' and the results' own.
+                let mut a = Attrs::with_capacity(scalars.len());
                 for (n, i, t) in &scalars {
                     let v = match t {
                         AttrType::F32 | AttrType::F64 => AttrValue::Float(args.float(*i)?),
@@ -157,10 +159,21 @@ impl NativeDecl {
                     };
                     a.insert(n, v);
                 }
-                let shapes: Vec<&[i64]> = infos.iter().map(|t| t.shape.as_slice()).collect();
-                let made = result_shapes(&kernel, &results, &shapes, &a)?;
-                let mut out = Vec::with_capacity(made.len());
-                for (r, shape) in results.iter().zip(made) {
+                const INLINE: usize = crate::torch_stable::xla::MAX_FRAME_ITEMS;
+                let mut inline: [&[i64]; INLINE] = [&[]; INLINE];
+                let heap: Vec<&[i64]>;
+                let shapes: &[&[i64]] = if infos.len() <= INLINE {
+                    for (s, t) in inline.iter_mut().zip(infos) {
+                        *s = &t.shape;
+                    }
+                    &inline[..infos.len()]
+                } else {
+                    heap = infos.iter().map(|t| t.shape.as_slice()).collect();
+                    &heap
+                };
+                let mut out = Vec::with_capacity(results.len());
+                for r in &results {
+                    let shape = result_shape(&kernel, r, shapes, &a)?;
                     let dtype = match r.dtype {
                         Ok(k) => infos
                             .get(k)

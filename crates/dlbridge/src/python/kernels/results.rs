@@ -29,6 +29,11 @@ impl<'a> Attrs<'a> {
         Self::default()
     }
 
+    /// No attributes, room for `n`.
+    pub fn with_capacity(n: usize) -> Self {
+        Self { values: Vec::with_capacity(n) }
+    }
+
     /// Adds attribute `name` (a later value of the same name replaces it).
     pub fn insert(&mut self, name: &'a str, value: AttrValue) {
         match self.values.iter_mut().find(|(n, _)| *n == name) {
@@ -206,21 +211,27 @@ pub(super) fn result_shapes(
     shapes: &[&[i64]],
     attrs: &Attrs<'_>,
 ) -> Result<Vec<Vec<i64>>, String> {
-    let mut out = Vec::with_capacity(results.len());
-    for r in results {
-        let shape = match r.shape {
-            Ok(k) => shapes
-                .get(k)
-                .ok_or_else(|| format!("{kernel}: result {}: no tensor argument {k}", r.name))?
-                .to_vec(),
-            Err(f) => f(shapes, attrs).map_err(|e| format!("{kernel}: result {}: {e}", r.name))?,
-        };
-        if let Some(d) = shape.iter().find(|&&d| d < 0) {
-            return Err(format!("{kernel}: result {}: the shape rule gave extent {d} in {shape:?}", r.name));
-        }
-        out.push(shape);
+    results.iter().map(|r| result_shape(kernel, r, shapes, attrs)).collect()
+}
+
+/// One result's shape by its rule (see [`result_shapes`]).
+pub(super) fn result_shape(
+    kernel: &str,
+    r: &Resolved,
+    shapes: &[&[i64]],
+    attrs: &Attrs<'_>,
+) -> Result<Vec<i64>, String> {
+    let shape = match r.shape {
+        Ok(k) => shapes
+            .get(k)
+            .ok_or_else(|| format!("{kernel}: result {}: no tensor argument {k}", r.name))?
+            .to_vec(),
+        Err(f) => f(shapes, attrs).map_err(|e| format!("{kernel}: result {}: {e}", r.name))?,
+    };
+    if let Some(d) = shape.iter().find(|&&d| d < 0) {
+        return Err(format!("{kernel}: result {}: the shape rule gave extent {d} in {shape:?}", r.name));
     }
-    Ok(out)
+    Ok(shape)
 }
 
 #[cfg(test)]
