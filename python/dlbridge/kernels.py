@@ -379,6 +379,17 @@ class Kernel:
             )
         return [(tuple(shape), str(dtype)) for shape, dtype in made]
 
+    def _all_results(self, outs: Any) -> tuple[Any, ...]:
+        """``outs``, what the function returned, if it is a tuple of every declared result (else a
+        clear error: indexing a single array would silently give its rows)."""
+        if type(outs) is not tuple or len(outs) != len(self._results):
+            got = f"a tuple of {len(outs)}" if type(outs) is tuple else type(outs).__name__
+            raise TypeError(
+                f"{self.__name__}: the function returned {got}, but the kernel declares "
+                f"{len(self._results)} results ({', '.join(self._results)}): return them all, as a tuple in that order"
+            )
+        return outs
+
     def _named_results(self, named: dict[str, Any], outs: Sequence[Any], grads: Sequence[Any]) -> None:
         """What a backward reads of the results: each by name, each cotangent as grad_<name>,
         ``out`` and ``grad`` the first visible result's."""
@@ -694,7 +705,7 @@ class Kernel:
         if self._results:
 
             def impl(*vals: Any) -> Any:
-                return tuple(fn(*vals))
+                return self._all_results(fn(*vals))
         elif functional:
 
             def impl(*vals: Any) -> Any:
@@ -1082,7 +1093,7 @@ class _SeveralResults(Kernel):
                     self._refuse_numbers_for_tensors(args, kwargs)
                     break
             return self._pick(self._overload(*args, **kwargs))
-        return self._pick(Kernel.__call__(self, *args, **kwargs))
+        return self._pick(self._all_results(Kernel.__call__(self, *args, **kwargs)))
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

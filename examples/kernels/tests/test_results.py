@@ -332,6 +332,24 @@ def test_several_visible_results_jax_gradients(jax):
         np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
 
 
+def test_a_function_that_does_not_return_every_result_is_refused(torch):
+    """A result count that differs from the declaration is an error, never a row of an array
+    taken for a result."""
+
+    def one(x):
+        return x * 2
+
+    k = dlbridge.kernels.kernel(
+        one, name="returns_one", namespace="dlbridge_results_test", results=("a", "b"), residuals=("b",),
+        result_rule=lambda shapes, dtypes, attrs: [(shapes[0], dtypes[0])] * 2,
+    )
+    msg = r"returns_one: the function returned ndarray, but the kernel declares 2 results \(a, b\)"
+    with pytest.raises(TypeError, match=msg):
+        k(np.ones((2, 3)))
+    with pytest.raises(TypeError, match="the function returned Tensor"):
+        k(torch.ones(2, 3, requires_grad=True))
+
+
 # --- declarations refused ---
 
 
