@@ -15,6 +15,9 @@ PASS/FAIL list and report.
 - a `torch.compile`d softmax over 1e6 float32 through the kernel, against the eager call;
 - an empty-body kernel called from a `torch.compile`d function, against a custom op with an empty
   body registered from Python with `torch.library.custom_op`, compiled the same way.
+- a kernel with two results, one a residual (`rms_norm`: y, and rstd saved for the backward),
+  against the same forward declared with one result (`rms_norm_inference`), per jitted call and
+  per `torch.compile`d call, on a small array (8 x 16 float32: the per-call cost, not the body).
 
 Cases compared are interleaved (each repeat times every case of its group in turn, in an order
 rotated every repeat); medians are reported (and compared, but for the chained handler calls).
@@ -224,6 +227,34 @@ def run(quick: bool = False, ffi_only: bool = False) -> tuple[dict[str, float], 
     a, b = r["torch.compile: dlbridge kernel, empty body (16 f32)"], r["torch.compile: Python custom_op, empty body (16 f32)"]
     targets.append(target("torch.compile'd empty-body dlbridge kernel vs an empty torch.library.custom_op",
                           a / b, 1.1, a, b, "dlbridge", "custom_op"))
+
+    # 5. several results and a residual against one result: the same rms_norm forward, declared
+    # with results (y, and the residual rstd) and with out="x" (y only), small enough that the
+    # per-call cost shows, not the body. Both are all CPU (no I/O): compared on the fastest of many
+    # short interleaved samples (load only adds time), medians printed beside.
+    xr = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    wr = np.linspace(0.5, 1.5, 16, dtype=np.float32)
+    xj, wj = jnp.asarray(xr), jnp.asarray(wr)
+    xt, wt = torch.from_numpy(xr), torch.from_numpy(wr)
+    j_two, j_one = jax.jit(K.rms_norm), jax.jit(K.rms_norm_inference)
+    np.testing.assert_allclose(np.asarray(j_two(xj, wj)), np.asarray(j_one(xj, wj)), rtol=0)
+    c_two = torch.compile(lambda a, b: K.rms_norm(a, b), fullgraph=True)
+    c_one = torch.compile(lambda a, b: K.rms_norm_inference(a, b), fullgraph=True)
+    torch.testing.assert_close(c_two(xt, wt), c_one(xt, wt), rtol=0, atol=0)
+    groups = (
+        ("jax.jit", "jitted", lambda: j_two(xj, wj).block_until_ready(), lambda: j_one(xj, wj).block_until_ready()),
+        ("torch.compile", "torch.compile'd", lambda: c_two(xt, wt), lambda: c_one(xt, wt)),
+    )
+    for mode, adjective, f_two, f_one in groups:
+        two = f"{mode}: rms_norm, 2 results (1 residual), 8x16 f32"
+        one = f"{mode}: rms_norm, 1 result, 8x16 f32"
+        r = fastest({two: f_two, one: f_one}, max(10, int(100 * scale)), repeats=2 * REPEATS + 1)
+        results.update({n: med for n, (_, med) in r.items()})
+        (a, a_med), (b, b_med) = r[two], r[one]
+        tg = target(f"{adjective} call of a kernel with a residual and two results vs one result (fastest samples)",
+                    a / b, 1.1, a, b, "two", "one")
+        tg["detail"] += f" (medians {a_med * 1e6:.2f} and {b_med * 1e6:.2f} us)"
+        targets.append(tg)
 
     return report(results, targets)
 

@@ -91,6 +91,9 @@ def test_the_copied_example_and_the_guide_build_outside_the_workspace(tmp_path):
     (crate / "src/lib.rs").write_text("\n".join(blocks(guide, "rust")))
     # The last chapter's file (blocks fenced ```rust title="src/modes.rs"```).
     (crate / "src/modes.rs").write_text("\n".join(re.findall(r'```rust title="src/modes.rs"\n(.*?)```', guide, re.S)))
+    (crate / "src/rms_norm.rs").write_text(
+        "\n".join(re.findall(r'```rust title="src/rms_norm.rs"\n(.*?)```', guide, re.S))
+    )
     so = build(crate)
     call(so, ["dlbridge_kernels"], """
         import numpy as np

@@ -33,6 +33,18 @@ without a backward, a plain function), double backward (``create_graph=True``,
 results stacked), ``grad``, ``jacrev`` and ``vmap(grad)`` through an ``autograd.Function`` in
 torch.func's style (``setup_context``) with the same backward, or the same refusal.
 
+Several results: ``results`` names them, in the order the function returns them (a tuple) and the
+handler writes them; ``result_rule(shapes, dtypes, attrs) -> [(shape, dtype), ...]`` gives each
+one's shape and dtype from the tensor arguments' shapes and dtypes (numpy names) and the
+attributes (``add_kernel`` makes it from ``KernelDef.results``' Rust rules). jax's ``ffi_call``
+result types and the torch op's fake results come from it. Those named in ``residuals`` are saved
+by the forward and handed to the backward (by name), never returned to the caller: the raw ops
+underneath (the torch op, ``torch.ops.<namespace>.<name>``, and the XLA custom call) return every
+result, residuals included, and the kernel returns the others (one tensor, or a tuple). The
+backward reads each result by its name and each visible result's cotangent as ``grad_<name>``
+(``out`` and ``grad``: the first visible result and its cotangent); a residual's cotangent is
+always zero, since the caller never sees it (torch: marked non-differentiable).
+
 Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit``) and torch
 ``float``/``int``/``bool`` arguments; every other parameter is a tensor. Parameters named in
 ``mutates`` are written in place: torch sees them as ``mutates_args``; XLA, being functional, gets
@@ -177,6 +189,9 @@ class Kernel:
         ffi: Any = None,
         backward: Any = None,
         vmap_method: str = "sequential",
+        results: Sequence[str] | None = None,
+        residuals: Sequence[str] = (),
+        result_rule: Callable[..., Sequence[tuple[Sequence[int], str]]] | None = None,
     ) -> None:
         self._fn = fn
         for what, given in (("name", name), ("namespace", namespace)):
@@ -226,9 +241,22 @@ class Kernel:
                 raise ValueError(f"kernel {self.__name__}: mutates names {n!r}, not a tensor parameter")
         self._mutates = tuple(mutates)
         self._mutated_idx = self._index[mutates[0]] if mutates else None
+        # Several results: their names, which are residuals, and which the caller sees.
+        self._results: tuple[str, ...] = ()
+        self._residuals: tuple[str, ...] = ()
+        self._visible: tuple[int, ...] = ()
+        self._result_rule = result_rule
+        if results is not None:
+            self._declare_results(out, results, residuals, result_rule)
+            out = self._params[self._tensor_idx[0]] if self._tensor_idx else None
+        elif residuals or result_rule is not None:
+            raise ValueError(f"kernel {self.__name__}: residuals= and result_rule= need results=")
         if out is _UNSET:
             out = None if mutates else self._params[self._tensor_idx[0]]
-        if out is None:
+        if results is not None:
+            self._out = _Out(None, None)
+            self._returns = True
+        elif out is None:
             if not mutates:
                 raise ValueError(f"kernel {self.__name__}: a kernel that writes no argument needs out=")
             self._out = _Out(self._mutated_idx, None)
@@ -262,8 +290,11 @@ class Kernel:
         self._target = target
         if backward is not None and not callable(backward):
             bk, bargs, bgrads = backward
+            # The results by name, and their cotangents.
+            declared: tuple[str, ...] = self._results
+            known = {"out", "grad", *declared, *[f"grad_{n}" for n in declared]}
             for n in bargs:
-                if n not in self._index and n not in ("out", "grad"):
+                if n not in self._index and n not in known:
                     raise ValueError(f"kernel {self.__name__}: backward argument {n!r} is unknown")
             for n in bgrads:
                 if n not in self._index or n in attrs:
@@ -300,6 +331,74 @@ class Kernel:
                 _register_pending_jax_targets()
             else:
                 _watch_import("jax")
+        if self._results:
+            # The caller sees the visible results only (one kernel class per shape of return, so
+            # a kernel with one result pays nothing for this): one, or a tuple of several.
+            self._pick = _picker(self._visible)
+            self.__class__ = _SeveralResults
+
+    def _declare_results(
+        self, out: Any, results: Sequence[str], residuals: Sequence[str], rule: Any
+    ) -> None:
+        name = self.__name__
+        if out is not _UNSET and out is not None:
+            raise ValueError(f"kernel {name}: out={out!r} and results=: declare the results in one of them")
+        if self._mutates:
+            raise ValueError(f"kernel {name}: results= with mutates=: a kernel with several results writes no argument")
+        if not callable(rule):
+            raise ValueError(f"kernel {name}: results= needs result_rule=, each result's shape and dtype")
+        names: tuple[str, ...] = tuple(results)
+        if not names:
+            raise ValueError(f"kernel {name}: results=() names no result")
+        for n in names:
+            if not isinstance(n, str) or not _IDENTIFIER.fullmatch(n):
+                raise ValueError(f"kernel {name}: result name {n!r}: letters, digits and underscores, a letter first")
+            if n in self._index or n in ("out", "grad") or n.startswith("grad_") or names.count(n) > 1:
+                raise ValueError(f"kernel {name}: result name {n!r} is taken (a parameter, out, grad, grad_*, or twice)")
+        for n in residuals:
+            if n not in names:
+                raise ValueError(f"kernel {name}: residuals names {n!r}, not one of results {names}")
+        visible = tuple(i for i, n in enumerate(names) if n not in residuals)
+        if not visible:
+            raise ValueError(f"kernel {name}: every result is a residual; the caller needs one")
+        self._results = names
+        self._residuals = tuple(residuals)
+        self._visible = visible
+
+    def _result_types(self, tensors: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[tuple[int, ...], str]]:
+        """Each result's (shape, dtype name) by the result rule, for arrays or tensors (fake ones
+        included) in parameter order."""
+        shapes = [tuple(int(d) for d in t.shape) for t in tensors]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        rule = self._result_rule
+        assert rule is not None  # results= needs it (checked at declaration)
+        made = list(rule(shapes, dtypes, dict(attrs)))
+        if len(made) != len(self._results):
+            raise ValueError(
+                f"{self.__name__}: result_rule gave {len(made)} results, the kernel declares {len(self._results)}"
+            )
+        return [(tuple(shape), str(dtype)) for shape, dtype in made]
+
+    def _all_results(self, outs: Any) -> tuple[Any, ...]:
+        """``outs``, what the function returned, if it is a tuple of every declared result (else a
+        clear error: indexing a single array would silently give its rows)."""
+        if type(outs) is not tuple or len(outs) != len(self._results):
+            got = f"a tuple of {len(outs)}" if type(outs) is tuple else type(outs).__name__
+            raise TypeError(
+                f"{self.__name__}: the function returned {got}, but the kernel declares "
+                f"{len(self._results)} results ({', '.join(self._results)}): return them all, as a tuple in that order"
+            )
+        return outs
+
+    def _named_results(self, named: dict[str, Any], outs: Sequence[Any], grads: Sequence[Any]) -> None:
+        """What a backward reads of the results: each by name, each cotangent as grad_<name>,
+        ``out`` and ``grad`` the first visible result's."""
+        for r, o, g in zip(self._results, outs, grads, strict=True):
+            named[r] = o
+            named[f"grad_{r}"] = g
+        first = self._visible[0]
+        named["out"] = outs[first]
+        named["grad"] = grads[first]
 
     def __repr__(self) -> str:
         return f"<dlbridge kernel {self._namespace}.{self._op_name}>"
@@ -319,6 +418,9 @@ class Kernel:
             params.append(inspect.Parameter(n, kind, default=self._defaults[i], annotation=note))
         # An in-place kernel returns the argument it writes.
         result = "Tensor" if self._mutated_idx is None else f"Tensor ({self._mutates[0]})"
+        if self._results:
+            shown = [f"Tensor {self._results[i]}" for i in self._visible]
+            result = shown[0] if len(shown) == 1 else f"({', '.join(shown)})"
         return inspect.Signature(params, return_annotation=result)
 
     def _help(self, doc: str | None) -> str:
@@ -343,6 +445,12 @@ class Kernel:
             )
         if self._mutates:
             lines.append(f"Writes {', '.join(self._mutates)} in place.")
+        if self._results:
+            lines.append(
+                f"Results: {', '.join(self._results)}"
+                + (f"; residuals (saved for the backward, never returned): {', '.join(self._residuals)}" if self._residuals else "")
+                + "."
+            )
         bw = self._backward
         if bw is None:
             lines.append("No backward: gradients through it are refused.")
@@ -587,11 +695,18 @@ class Kernel:
             else:
                 parts.append(f"Tensor {n}")
         functional = self._mutated_idx is None
-        schema = f"({', '.join(parts)}) -> {'Tensor' if functional else '()'}"
+        rets = "Tensor" if functional else "()"
+        if self._results:
+            rets = f"({', '.join('Tensor' for _ in self._results)})"
+        schema = f"({', '.join(parts)}) -> {rets}"
         ns, opname = self._torch_op_names(torch)
         namespace = getattr(torch.ops, ns)
 
-        if functional:
+        if self._results:
+
+            def impl(*vals: Any) -> Any:
+                return self._all_results(fn(*vals))
+        elif functional:
 
             def impl(*vals: Any) -> Any:
                 return fn(*vals)
@@ -607,7 +722,18 @@ class Kernel:
         else:
             op = native
         out = self._out
-        if functional:
+        if self._results:
+            tensor_idx, attr_idx, params = self._tensor_idx, self._attr_idx, self._params
+
+            def fake_several(*vals: Any, **kw: Any) -> Any:
+                # torch may pass the scalar arguments by keyword.
+                bound = self._bind(vals, kw) if kw or len(vals) < len(params) else vals
+                made = self._result_types([bound[i] for i in tensor_idx], {params[i]: bound[i] for i in attr_idx})
+                x = bound[tensor_idx[0]]
+                return tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+
+            fake = fake_several
+        elif functional:
             rule = out.rule
             if rule is not None:
                 tensor_idx = self._tensor_idx
@@ -688,6 +814,7 @@ class Kernel:
         ``vmap_method="sequential"``), the results stacked; an in-place kernel writes each
         element of its batched argument (refused when that argument is not batched)."""
         params, mutated = self._params, self._mutated_idx
+        several = bool(self._results)
 
         def rule(info: Any, in_dims: tuple[Any, ...], *vals: Any) -> Any:
             if mutated is not None and in_dims[mutated] is None:
@@ -711,6 +838,8 @@ class Kernel:
                 if args[mutated] is not y:
                     y.copy_(args[mutated])
             if mutated is None:
+                if several:
+                    return tuple(torch.stack(o) for o in zip(*outs, strict=True)), tuple(0 for _ in outs[0])
                 return torch.stack(outs), 0
             return None, None
 
@@ -748,6 +877,8 @@ class Kernel:
     def _autograd_rules(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The ``setup_context`` and ``backward`` of a kernel that names a backward."""
         params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        if self._results:
+            return self._autograd_rules_several(torch)
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], output)
@@ -764,6 +895,34 @@ class Kernel:
             if torch.is_grad_enabled():
                 # create_graph=True: each gradient must carry its graph for a double backward.
                 result = self._first_order_only(torch, result, (grad, *saved))
+            return result
+
+        return setup_context, backward
+
+    def _autograd_rules_several(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``setup_context`` and ``backward`` of a kernel with several results: every result (the
+        residuals too) is saved; residuals are non-differentiable outputs."""
+        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        n_in = len(tensor_idx)
+        residual_idx = [i for i in range(len(self._results)) if i not in self._visible]
+
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
+            ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
+            if residual_idx:
+                ctx.mark_non_differentiable(*[output[i] for i in residual_idx])
+
+        def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            saved = ctx.saved_tensors
+            named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, saved[:n_in], strict=True)}
+            outs = [o.contiguous() for o in saved[n_in:]]
+            gs = [torch.zeros_like(o) if g is None else g.contiguous() for g, o in zip(grads, outs, strict=True)]
+            self._named_results(named, outs, gs)
+            named.update(ctx.dlbridge_attrs)
+            got = self._run_backward(named)
+            result = tuple(got.get(n) if i in tensor_idx else None for i, n in enumerate(params))
+            if torch.is_grad_enabled():
+                result = self._first_order_only(torch, result, (*[g for g in grads if g is not None], *saved))
             return result
 
         return setup_context, backward
@@ -852,6 +1011,11 @@ class Kernel:
         jnp = jax.numpy
         tensors = [jnp.asarray(t) for t in tensors]
         out = self._out
+        if self._results:
+            made = self._result_types(tensors, dict(attrs))
+            types = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in made]
+            call = jax.ffi.ffi_call(self._target, types, vmap_method=self._vmap_method)
+            return tuple(call(*tensors, **dict(attrs)))
         if out.rule is not None:
             shape, dtype = out.rule(*tensors)
             result = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(str(dtype)))
@@ -881,14 +1045,55 @@ class Kernel:
             tensors, out = res
             named = dict(zip(names, tensors, strict=True))
             named.update(attrs)
-            named["out"] = out
-            named["grad"] = g
+            if self._results:
+                self._named_results(named, out, g)
+            else:
+                named["out"] = out
+                named["grad"] = g
             grads = self._run_backward(named)
             zeros = jax.numpy.zeros_like
             return tuple(grads[n] if n in grads else zeros(t) for n, t in zip(names, tensors, strict=True))
 
         f.defvjp(fwd, bwd)
         return f
+
+
+def _picker(visible: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
+    """What a kernel with several results returns of the raw results: the visible one, or a tuple
+    of the visible ones (a plain function: dynamo inlines it)."""
+    if len(visible) == 1:
+        i = visible[0]
+
+        def pick(outs: Sequence[Any]) -> Any:
+            return outs[i]
+    else:
+
+        def pick(outs: Sequence[Any]) -> Any:
+            return tuple(outs[j] for j in visible)
+
+    return pick
+
+
+class _SeveralResults(Kernel):
+    """A kernel with several results (``results=``): every mode computes them all (the raw op
+    returns them all); the caller gets the visible ones, one tensor or a tuple."""
+
+    _pick: Callable[[Sequence[Any]], Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiling():
+            # As Kernel.__call__ under dynamo, reading as little (each read is a guard checked at
+            # every compiled call): the op's overload, then the visible results.
+            for a in args:
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
+            for a in kwargs.values():
+                if isinstance(a, (bool, int, float, complex)):
+                    self._refuse_numbers_for_tensors(args, kwargs)
+                    break
+            return self._pick(self._overload(*args, **kwargs))
+        return self._pick(self._all_results(Kernel.__call__(self, *args, **kwargs)))
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
@@ -1050,6 +1255,9 @@ def kernel(
     ffi: Any = None,
     backward: Any = None,
     vmap_method: str = "sequential",
+    results: Sequence[str] | None = None,
+    residuals: Sequence[str] = (),
+    result_rule: Callable[..., Sequence[tuple[Sequence[int], str]]] | None = None,
 ) -> Any:
     """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only). ``name``
     and ``namespace`` name its ops, ``torch.ops.<namespace>.<name>`` and the XLA FFI target
@@ -1067,6 +1275,9 @@ def kernel(
             ffi=ffi,
             backward=backward,
             vmap_method=vmap_method,
+            results=results,
+            residuals=residuals,
+            result_rule=result_rule,
         )
 
     return wrap if fn is None else wrap(fn)

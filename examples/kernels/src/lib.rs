@@ -12,6 +12,8 @@ use pyo3::prelude::*;
 // The bodies shared with the XLA FFI handlers, and the registration that makes every function
 // callable eagerly, inside jax.jit and inside torch.compile (the guide's last chapter).
 mod modes;
+// rms_norm: two results, a residual, a weight gradient (the guide's chapter on layers).
+mod rms_norm;
 
 /// The element types the kernels compute with: each is read and written through `f64`.
 /// (A helper of this example, not part of dlbridge.)
@@ -228,5 +230,6 @@ fn dlbridge_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(add_transposed, m)?)?;
     // Each kernel also inside jax.jit and torch.compile (needs the dlbridge Python package).
     modes::add_kernels(m)?;
+    rms_norm::add_kernels(m)?;
     Ok(())
 }

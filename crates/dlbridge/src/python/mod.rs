@@ -36,7 +36,10 @@ pub use import::{
 };
 #[cfg(all(feature = "torch-stable", unix))]
 pub use kernels::install_torch_version_hooks;
-pub use kernels::{HostSpec, KernelDef, TensorMut, TensorRef, TensorView, add_kernel, xla_capsule};
+pub use kernels::{
+    AttrValue, Attrs, HostSpec, KernelDef, ResultDType, ResultDef, ResultShape, ShapeFn, TensorMut,
+    TensorRef, TensorView, add_kernel, xla_capsule,
+};
 pub use runtime::{
     DLTENSOR, DLTENSOR_VERSIONED, PyDType, PyDevice, PyOwner, Tensor, USED_DLTENSOR, USED_DLTENSOR_VERSIONED,
     argument_error, consume, device_type_enum, device_type_member, is_capsule,

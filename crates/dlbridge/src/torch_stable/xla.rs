@@ -82,14 +82,30 @@ pub struct TensorInfo {
     pub shape: Vec<i64>,
 }
 
-/// How an op's fresh result is shaped (the same rule makes the CPU kernel's result buffer and
-/// the Meta kernel's output).
-#[derive(Debug, Clone, Copy)]
+/// An output rule with a context, made at run time (e.g. from a kernel's declared results) and
+/// kept for the process.
+pub type DynOutRule = dyn Fn(&[TensorInfo], &Args) -> Result<Vec<TensorInfo>, KernelError> + Send + Sync;
+
+/// How an op's fresh results are shaped (the same rule makes the CPU kernel's result buffers and
+/// the Meta kernel's outputs).
+#[derive(Clone, Copy)]
 pub enum OutRule {
     /// Like tensor argument `i` of the signature (its shape and dtype): `KernelDef.out = Some("x")`.
     Like(usize),
     /// Computed from the tensor arguments (in order) and the op's arguments.
     Fn(fn(&[TensorInfo], &Args) -> Result<Vec<TensorInfo>, KernelError>),
+    /// As `Fn`, a closure (`KernelDef.results`: each result's rule).
+    Dyn(&'static DynOutRule),
+}
+
+impl std::fmt::Debug for OutRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Like(i) => f.debug_tuple("Like").field(i).finish(),
+            Self::Fn(p) => f.debug_tuple("Fn").field(p).finish(),
+            Self::Dyn(_) => f.write_str("Dyn(..)"),
+        }
+    }
 }
 
 /// An op whose CPU kernel is an XLA FFI handler.
@@ -177,7 +193,7 @@ impl XlaOp {
             (Some(OutRule::Like(_)), n) => {
                 return bad(format!("a Like rule makes 1 result, the signature has {n}"));
             }
-            (Some(OutRule::Fn(_)), _) => {}
+            (Some(OutRule::Fn(_) | OutRule::Dyn(_)), _) => {}
         }
         Ok(())
     }
@@ -364,8 +380,12 @@ fn output_infos(op: &XlaOp, infos: &[TensorInfo], args: &Args) -> Result<Vec<Ten
                 .count();
             Ok(vec![infos[k].clone()])
         }
-        Some(OutRule::Fn(f)) => {
-            let v = f(infos, args)?;
+        Some(OutRule::Fn(_) | OutRule::Dyn(_)) => {
+            let v = match op.out {
+                Some(OutRule::Fn(f)) => f(infos, args)?,
+                Some(OutRule::Dyn(f)) => f(infos, args)?,
+                _ => unreachable!("matched just above"),
+            };
             if v.len() != op.signature.rets().len() {
                 return Err(KernelError(format!(
                     "the output rule made {} results, the op returns {}",
@@ -545,7 +565,7 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
             fresh[0] = Some(torch.empty(shape, dtypes[k], TorchDevice::CPU)?);
             n_fresh = 1;
         }
-        Some(OutRule::Fn(_)) => {
+        Some(OutRule::Fn(_) | OutRule::Dyn(_)) => {
             let infos: Vec<TensorInfo> = (0..n_ops)
                 .map(|k| Ok(TensorInfo { dtype: dtypes[k], shape: operand(k).sizes()? }))
                 .collect::<Result<_, Error>>()?;

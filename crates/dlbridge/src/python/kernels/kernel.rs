@@ -7,6 +7,14 @@
 //! output rule, scalar attributes, in-place arguments, handler and backward).
 //!
 //! A kernel with a handler is also a native torch op (`native.rs`).
+//!
+//! Several results: [`KernelDef::results`] lists them ([`ResultDef`]), each shaped and typed by a
+//! rule written in Rust (like a tensor parameter, or a [`ShapeFn`] over the tensor arguments'
+//! shapes and the attributes, [`Attrs`]); jax's `ffi_call`, torch's fake (Meta) kernel and the
+//! native op's result buffers all read the same rules. A result marked
+//! [`residual`](ResultDef::residual) is saved by the forward for the backward and never returned
+//! to the kernel's caller: the raw op underneath (the torch op, the XLA custom call) returns it
+//! like any result, and `dlbridge.kernels` drops it from what the caller sees.
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
@@ -14,6 +22,7 @@ use std::ptr::NonNull;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
 
+use super::results::{AttrValue, Attrs, Resolved, ResultDef, resolve, result_shapes};
 use crate::xla_ffi::XLA_FFI_Handler;
 
 /// The capsule name jax's own helpers give handlers (jax reads the pointer whatever the name).
@@ -40,8 +49,14 @@ pub struct KernelDef<'a> {
     /// second kernel of the same names is refused.
     pub namespace: Option<&'a str>,
     /// The output rule: `Some("x")` (shape and dtype of tensor argument `x`); `None` for a
-    /// kernel that only writes its `mutates` argument (it returns that argument).
+    /// kernel that only writes its `mutates` argument (it returns that argument), or one that
+    /// declares [`results`](Self::results) instead.
     pub out: Option<&'a str>,
+    /// Several results, in the order the function returns them (a tuple) and the handler
+    /// writes them (result buffers 0, 1, ...), each with its shape and dtype rule; those marked
+    /// residual are handed to the backward and never to the caller. Empty: the one result of
+    /// [`out`](Self::out). Not with `out` or `mutates`.
+    pub results: &'a [ResultDef<'a>],
     /// Scalar parameters (XLA attributes, static under `jax.jit`) and their numpy type names
     /// (`"float32"`, `"float64"`, `"int32"`, `"int64"`, `"bool"`); every other parameter is a tensor.
     pub attrs: &'a [(&'a str, &'a str)],
@@ -61,12 +76,59 @@ impl Default for KernelDef<'_> {
             name: None,
             namespace: None,
             out: None,
+            results: &[],
             attrs: &[],
             mutates: &[],
             ffi: None,
             vmap_method: "sequential",
         }
     }
+}
+
+/// The Python face of the rules, `rule(shapes, dtypes, attrs) -> [(shape, dtype), ...]`
+/// (shapes as tuples, dtypes as numpy names), called by `dlbridge.kernels` when it makes jax's
+/// result types and torch's fake results.
+fn result_rule<'py>(py: Python<'py>, kernel: String, results: Vec<Resolved>) -> PyResult<Bound<'py, PyAny>> {
+    let call = move |args: &Bound<'_, PyTuple>,
+                     _kw: Option<&Bound<'_, PyDict>>|
+          -> PyResult<Vec<(Vec<i64>, String)>> {
+        let (shapes, dtypes, attrs): (Vec<Vec<i64>>, Vec<String>, Bound<'_, PyDict>) = args.extract()?;
+        let names: Vec<String> = attrs.keys().iter().map(|n| n.extract()).collect::<PyResult<_>>()?;
+        let mut a = Attrs::new();
+        for (n, v) in names.iter().zip(attrs.values().iter()) {
+            // bool before int (a Python bool is an int); numpy scalars convert too.
+            let value = if v.is_instance_of::<pyo3::types::PyBool>() || v.get_type().name()? == "bool" {
+                AttrValue::Bool(v.extract()?)
+            } else if let Ok(i) = v.extract::<i64>() {
+                if v.is_instance_of::<pyo3::types::PyFloat>() {
+                    AttrValue::Float(i as f64)
+                } else {
+                    AttrValue::Int(i)
+                }
+            } else {
+                AttrValue::Float(v.extract()?)
+            };
+            a.insert(n, value);
+        }
+        let views: Vec<&[i64]> = shapes.iter().map(Vec::as_slice).collect();
+        let made =
+            result_shapes(&kernel, &results, &views, &a).map_err(pyo3::exceptions::PyValueError::new_err)?;
+        let mut out = Vec::with_capacity(made.len());
+        for (r, shape) in results.iter().zip(made) {
+            let dtype = match r.dtype {
+                Ok(k) => dtypes.get(k).cloned().ok_or_else(|| {
+                    pyo3::exceptions::PyValueError::new_err(format!(
+                        "{kernel}: result {}: no tensor argument {k}",
+                        r.name
+                    ))
+                })?,
+                Err(d) => d.to_string(),
+            };
+            out.push((shape, dtype));
+        }
+        Ok(out)
+    };
+    Ok(pyo3::types::PyCFunction::new_closure(py, Some(c"result_rule"), None, call)?.into_any())
 }
 
 /// Makes `function` (a `#[pyfunction]` of this module) a `dlbridge.kernels.Kernel` as `def` says,
@@ -89,20 +151,53 @@ pub fn add_kernel<'py>(
     let py = module.py();
     let kernels = py.import("dlbridge.kernels")?;
     let kw = PyDict::new(py);
-    kw.set_item("out", def.out)?;
+    let resolved = if def.results.is_empty() {
+        kw.set_item("out", def.out)?;
+        Vec::new()
+    } else {
+        let fname: String = function.getattr("__name__")?.extract()?;
+        let kname = def.name.unwrap_or(&fname).to_owned();
+        let refuse = |m: &str| pyo3::exceptions::PyValueError::new_err(format!("kernel {kname}: {m}"));
+        if let Some(o) = def.out {
+            return Err(refuse(&format!("out={o:?} and results: declare the results in one of them")));
+        }
+        if !def.mutates.is_empty() {
+            return Err(refuse(
+                "results with mutates: a kernel with several results writes no argument in place",
+            ));
+        }
+        let params: Vec<String> = py
+            .import("inspect")?
+            .call_method1("signature", (&function,))?
+            .getattr("parameters")?
+            .call_method0("keys")?
+            .try_iter()?
+            .map(|p| p?.extract())
+            .collect::<PyResult<_>>()?;
+        let resolved = resolve(&kname, &params, def.attrs, def.results)
+            .map_err(pyo3::exceptions::PyValueError::new_err)?;
+        let names: Vec<&str> = resolved.iter().map(|r| r.name.as_str()).collect();
+        let residuals: Vec<&str> = resolved.iter().filter(|r| r.residual).map(|r| r.name.as_str()).collect();
+        kw.set_item("results", PyTuple::new(py, names)?)?;
+        kw.set_item("residuals", PyTuple::new(py, residuals)?)?;
+        kw.set_item("result_rule", result_rule(py, kname, resolved.clone())?)?;
+        resolved
+    };
     kw.set_item("attrs", PyDict::from_sequence(&def.attrs.to_vec().into_pyobject(py)?)?)?;
     kw.set_item("mutates", PyTuple::new(py, def.mutates)?)?;
     #[cfg(all(feature = "torch-stable", unix))]
     let native = match def.ffi {
         Some(h) => {
             let capsule = xla_capsule(py, h)?;
-            let register = super::native::registrar(py, def.out, def.attrs, def.mutates, h)?;
+            let register = super::native::registrar(py, def.out, &resolved, def.attrs, def.mutates, h)?;
             kernels.getattr("_NATIVE_OPS")?.set_item(&capsule, register)?;
             kw.set_item("ffi", &capsule)?;
             Some(capsule)
         }
         None => None,
     };
+    #[cfg(not(all(feature = "torch-stable", unix)))]
+    let _ = &resolved;
     #[cfg(not(all(feature = "torch-stable", unix)))]
     if let Some(h) = def.ffi {
         kw.set_item("ffi", xla_capsule(py, h)?)?;

@@ -14,8 +14,9 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
 
+use super::results::{AttrValue, Attrs, Resolved, result_shape};
 use crate::python::import::install_native_version_hooks;
-use crate::torch_stable::xla::{AttrType, OutRule, XlaOp, register_op};
+use crate::torch_stable::xla::{AttrType, OutRule, TensorInfo, XlaOp, register_op};
 use crate::torch_stable::{ArgKind, Error, Torch};
 use crate::xla_ffi::XLA_FFI_Handler;
 
@@ -36,6 +37,8 @@ pub fn install_torch_version_hooks(py: Python<'_>) -> bool {
 #[derive(Debug, Clone)]
 pub(super) struct NativeDecl {
     pub(super) out: Option<String>,
+    /// Several results (`KernelDef.results`), their rules resolved; empty: `out`.
+    pub(super) results: Vec<Resolved>,
     pub(super) attrs: Vec<(String, String)>,
     pub(super) mutates: Vec<String>,
     pub(super) handler: XLA_FFI_Handler,
@@ -88,7 +91,10 @@ impl NativeDecl {
         {
             return Err(invalid(format!("{n} is not a parameter of the function")));
         }
-        let (rets, out): (&[ArgKind], _) = if self.mutates.is_empty() {
+        let several = vec![ArgKind::Tensor; self.results.len()];
+        let (rets, out): (&[ArgKind], _) = if !self.results.is_empty() {
+            (&several, Some(OutRule::Dyn(self.results_rule(name, &attrs, params))))
+        } else if self.mutates.is_empty() {
             let like = self.out.as_deref().ok_or_else(|| invalid("no output rule (out)".into()))?;
             let i = params
                 .iter()
@@ -117,6 +123,69 @@ impl NativeDecl {
             op.signature.schema()?;
         }
         Ok(op)
+    }
+}
+
+impl NativeDecl {
+    /// The results' rules as the op's output rule (leaked: an op lives as long as the process):
+    /// the tensor arguments' shapes and the scalar arguments, read off torch's stack, through the
+    /// same [`result_shapes`] jax and the Python op use.
+    fn results_rule(
+        &self,
+        name: &str,
+        attrs: &[(&str, AttrType)],
+        params: &[String],
+    ) -> &'static crate::torch_stable::xla::DynOutRule {
+        let results = self.results.clone();
+        let kernel = name.to_owned();
+        // (name, signature index, type) of each scalar argument.
+        let scalars: Vec<(String, usize, AttrType)> = attrs
+            .iter()
+            .filter_map(|&(n, t)| params.iter().position(|p| p == n).map(|i| (n.to_owned(), i, t)))
+            .collect();
+        Box::leak(Box::new(
+            move |infos: &[TensorInfo],
+                  args: &crate::torch_stable::Args|
+                  -> Result<Vec<TensorInfo>, crate::torch_stable::KernelError> {
+                // Called at every call of the op (its CPU kernel makes its result buffers by it):
+                // no allocation but the attributes' and the results' own.
+                let mut a = Attrs::with_capacity(scalars.len());
+                for (n, i, t) in &scalars {
+                    let v = match t {
+                        AttrType::F32 | AttrType::F64 => AttrValue::Float(args.float(*i)?),
+                        AttrType::I32 | AttrType::I64 => AttrValue::Int(args.int(*i)?),
+                        AttrType::Bool => AttrValue::Bool(args.bool(*i)?),
+                        AttrType::Str => continue,
+                    };
+                    a.insert(n, v);
+                }
+                const INLINE: usize = crate::torch_stable::xla::MAX_FRAME_ITEMS;
+                let mut inline: [&[i64]; INLINE] = [&[]; INLINE];
+                let heap: Vec<&[i64]>;
+                let shapes: &[&[i64]] = if infos.len() <= INLINE {
+                    for (s, t) in inline.iter_mut().zip(infos) {
+                        *s = &t.shape;
+                    }
+                    &inline[..infos.len()]
+                } else {
+                    heap = infos.iter().map(|t| t.shape.as_slice()).collect();
+                    &heap
+                };
+                let mut out = Vec::with_capacity(results.len());
+                for r in &results {
+                    let shape = result_shape(&kernel, r, shapes, &a)?;
+                    let dtype = match r.dtype {
+                        Ok(k) => infos
+                            .get(k)
+                            .map(|t| t.dtype)
+                            .ok_or_else(|| format!("{kernel}: result {}: no tensor argument {k}", r.name))?,
+                        Err(d) => d,
+                    };
+                    out.push(TensorInfo { dtype, shape });
+                }
+                Ok(out)
+            },
+        ))
     }
 }
 
@@ -158,12 +227,14 @@ fn outcome(attempt: Result<(), Error>) -> Result<Option<String>, Error> {
 pub(super) fn registrar<'py>(
     py: Python<'py>,
     out: Option<&str>,
+    results: &[Resolved],
     attrs: &[(&str, &str)],
     mutates: &[&str],
     handler: XLA_FFI_Handler,
 ) -> PyResult<Bound<'py, PyCFunction>> {
     let decl = NativeDecl {
         out: out.map(str::to_owned),
+        results: results.to_vec(),
         attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
         mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
         handler,
@@ -213,6 +284,7 @@ mod tests {
     fn decl(out: Option<&str>, attrs: &[(&str, &str)], mutates: &[&str]) -> NativeDecl {
         NativeDecl {
             out: out.map(str::to_owned),
+            results: Vec::new(),
             attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
             mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
             handler: nothing,
@@ -254,6 +326,22 @@ mod tests {
             "k_in_place(float a, Tensor x, Tensor(a!) y, int n=-3, bool b=True) -> ()"
         );
         assert!(op.out.is_none());
+    }
+
+    #[test]
+    fn several_results_make_a_tuple_schema_and_a_rule_output() {
+        use super::super::results::{ResultDType, ResultDef, resolve};
+        fn rows(s: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+            Ok(vec![s[0][0]])
+        }
+        let p = params(&["x", "w", "eps"]);
+        let results =
+            [ResultDef::like("y", "x"), ResultDef::rule("r", rows, ResultDType::Like("w")).residual()];
+        let mut d = decl(None, &[("eps", "float64")], &[]);
+        d.results = resolve("k", &p, &[("eps", "float64")], &results).unwrap();
+        let op = d.op("k", &p, &[]).unwrap();
+        assert_eq!(op.signature.schema().unwrap(), "k(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)");
+        assert!(matches!(op.out, Some(OutRule::Dyn(_))));
     }
 
     #[test]

@@ -1,0 +1,309 @@
+//! Several results ([`ResultDef`]): each result's shape and dtype rule, the attributes a rule
+//! reads ([`Attrs`]), and the rules resolved against a function's parameters ([`resolve`]) and run
+//! ([`result_shapes`]): what `add_kernel`'s Python rule (`kernel.rs`) and the native op's output
+//! rule (`native.rs`) share.
+
+use crate::DataType;
+
+/// A scalar attribute's value, as a result's shape rule reads it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AttrValue {
+    /// A `float32` or `float64` attribute.
+    Float(f64),
+    /// An `int32` or `int64` attribute.
+    Int(i64),
+    /// A `bool` attribute.
+    Bool(bool),
+}
+
+/// The kernel's scalar attributes by name, as a [`ShapeFn`] reads them (the values of the call
+/// being traced or run).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Attrs<'a> {
+    values: Vec<(&'a str, AttrValue)>,
+}
+
+impl<'a> Attrs<'a> {
+    /// No attributes.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// No attributes, room for `n`.
+    pub fn with_capacity(n: usize) -> Self {
+        Self { values: Vec::with_capacity(n) }
+    }
+
+    /// Adds attribute `name` (a later value of the same name replaces it).
+    pub fn insert(&mut self, name: &'a str, value: AttrValue) {
+        match self.values.iter_mut().find(|(n, _)| *n == name) {
+            Some(slot) => slot.1 = value,
+            None => self.values.push((name, value)),
+        }
+    }
+
+    /// Attribute `name`, if the kernel has it.
+    pub fn get(&self, name: &str) -> Option<AttrValue> {
+        self.values.iter().find(|(n, _)| *n == name).map(|&(_, v)| v)
+    }
+
+    fn missing(name: &str, want: &str) -> String {
+        format!("attribute {name}: no {want} attribute of that name")
+    }
+
+    /// A float attribute (an int one converted).
+    pub fn f64(&self, name: &str) -> Result<f64, String> {
+        match self.get(name) {
+            Some(AttrValue::Float(v)) => Ok(v),
+            Some(AttrValue::Int(v)) => Ok(v as f64),
+            _ => Err(Self::missing(name, "float")),
+        }
+    }
+
+    /// An int attribute.
+    pub fn i64(&self, name: &str) -> Result<i64, String> {
+        match self.get(name) {
+            Some(AttrValue::Int(v)) => Ok(v),
+            _ => Err(Self::missing(name, "int")),
+        }
+    }
+
+    /// A bool attribute.
+    pub fn bool(&self, name: &str) -> Result<bool, String> {
+        match self.get(name) {
+            Some(AttrValue::Bool(v)) => Ok(v),
+            _ => Err(Self::missing(name, "bool")),
+        }
+    }
+}
+
+/// A result's shape as a function of the tensor arguments' shapes (in parameter order, the
+/// attributes left out) and the attributes; an `Err` names what is wrong (the caller sees it as
+/// the kernel's error, under `jax.jit`, `torch.compile` and eagerly alike). Plain Rust, no
+/// Python: the native torch op's Meta and CPU kernels call it too.
+pub type ShapeFn = fn(&[&[i64]], &Attrs<'_>) -> Result<Vec<i64>, String>;
+
+/// How a result's shape is found.
+#[derive(Debug, Clone, Copy)]
+pub enum ResultShape<'a> {
+    /// The shape of tensor parameter `name`.
+    Like(&'a str),
+    /// A rule over the arguments' shapes and the attributes (a reduction, a matmul, ...).
+    Rule(ShapeFn),
+}
+
+/// How a result's dtype is found.
+#[derive(Debug, Clone, Copy)]
+pub enum ResultDType<'a> {
+    /// The dtype of tensor parameter `name`.
+    Like(&'a str),
+    /// Always this dtype.
+    Is(DataType),
+}
+
+/// One result of a kernel with several ([`KernelDef::results`](super::KernelDef::results)).
+#[derive(Debug, Clone, Copy)]
+pub struct ResultDef<'a> {
+    /// The result's name: what the backward reads it as (and `grad_<name>`, its cotangent).
+    /// Letters, digits and underscores; not a parameter's name, nor `out` or `grad`.
+    pub name: &'a str,
+    /// Its shape.
+    pub shape: ResultShape<'a>,
+    /// Its dtype.
+    pub dtype: ResultDType<'a>,
+    /// A residual: computed by the forward, handed to the backward, never returned to the caller.
+    pub residual: bool,
+}
+
+impl<'a> ResultDef<'a> {
+    /// A result of the shape and dtype of tensor parameter `param`.
+    pub const fn like(name: &'a str, param: &'a str) -> Self {
+        Self { name, shape: ResultShape::Like(param), dtype: ResultDType::Like(param), residual: false }
+    }
+
+    /// A result of the shape `shape` computes, its dtype `dtype`.
+    pub const fn rule(name: &'a str, shape: ShapeFn, dtype: ResultDType<'a>) -> Self {
+        Self { name, shape: ResultShape::Rule(shape), dtype, residual: false }
+    }
+
+    /// The same result, marked a residual.
+    pub const fn residual(self) -> Self {
+        Self { residual: true, ..self }
+    }
+}
+
+/// A result's rule with its parameter names resolved: `Like` as the index among the tensor
+/// parameters (owned, so the native op may keep it for the process).
+#[derive(Debug, Clone)]
+pub(super) struct Resolved {
+    pub(super) name: String,
+    pub(super) shape: Result<usize, ShapeFn>,
+    pub(super) dtype: Result<usize, DataType>,
+    pub(super) residual: bool,
+}
+
+/// `results` with their `Like` names resolved against `params` (the function's parameters)
+/// less `attrs`; a clear error (the field and the value) for a declaration that cannot hold.
+pub(super) fn resolve(
+    kernel: &str,
+    params: &[String],
+    attrs: &[(&str, &str)],
+    results: &[ResultDef<'_>],
+) -> Result<Vec<Resolved>, String> {
+    let tensors: Vec<&str> =
+        params.iter().map(String::as_str).filter(|p| !attrs.iter().any(|(a, _)| a == p)).collect();
+    let bad =
+        |i: usize, r: &ResultDef<'_>, m: String| format!("kernel {kernel}: results[{i}] ({}): {m}", r.name);
+    let like = |i: usize, r: &ResultDef<'_>, what: &str, p: &str| {
+        tensors.iter().position(|t| *t == p).ok_or_else(|| {
+            bad(
+                i,
+                r,
+                format!("{what} like {p:?}, which is no tensor parameter (tensors: {})", tensors.join(", ")),
+            )
+        })
+    };
+    let mut out = Vec::with_capacity(results.len());
+    for (i, r) in results.iter().enumerate() {
+        let ident = r.name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+            && r.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ident {
+            return Err(bad(
+                i,
+                r,
+                "a result's name is letters, digits and underscores, a letter first".into(),
+            ));
+        }
+        if params.iter().any(|p| p == r.name)
+            || matches!(r.name, "out" | "grad")
+            || r.name.starts_with("grad_")
+        {
+            return Err(bad(
+                i,
+                r,
+                "the name is taken (a parameter, out, grad or grad_*): choose another".into(),
+            ));
+        }
+        if results[..i].iter().any(|o| o.name == r.name) {
+            return Err(bad(i, r, "a second result of that name".into()));
+        }
+        let shape = match r.shape {
+            ResultShape::Like(p) => Ok(like(i, r, "shape", p)?),
+            ResultShape::Rule(f) => Err(f),
+        };
+        let dtype = match r.dtype {
+            ResultDType::Like(p) => Ok(like(i, r, "dtype", p)?),
+            ResultDType::Is(d) => Err(d),
+        };
+        out.push(Resolved { name: r.name.to_owned(), shape, dtype, residual: r.residual });
+    }
+    if !out.is_empty() && out.iter().all(|r| r.residual) {
+        return Err(format!("kernel {kernel}: results: every result is a residual; the caller needs one"));
+    }
+    Ok(out)
+}
+
+/// Each result's shape (and, `Like`, the tensor index its dtype follows): what jax's `ffi_call`,
+/// the fake kernel and the native op's buffers are made from.
+pub(super) fn result_shapes(
+    kernel: &str,
+    results: &[Resolved],
+    shapes: &[&[i64]],
+    attrs: &Attrs<'_>,
+) -> Result<Vec<Vec<i64>>, String> {
+    results.iter().map(|r| result_shape(kernel, r, shapes, attrs)).collect()
+}
+
+/// One result's shape by its rule (see [`result_shapes`]).
+pub(super) fn result_shape(
+    kernel: &str,
+    r: &Resolved,
+    shapes: &[&[i64]],
+    attrs: &Attrs<'_>,
+) -> Result<Vec<i64>, String> {
+    let shape = match r.shape {
+        Ok(k) => shapes
+            .get(k)
+            .ok_or_else(|| format!("{kernel}: result {}: no tensor argument {k}", r.name))?
+            .to_vec(),
+        Err(f) => f(shapes, attrs).map_err(|e| format!("{kernel}: result {}: {e}", r.name))?,
+    };
+    if let Some(d) = shape.iter().find(|&&d| d < 0) {
+        return Err(format!("{kernel}: result {}: the shape rule gave extent {d} in {shape:?}", r.name));
+    }
+    Ok(shape)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(shapes: &[&[i64]], attrs: &Attrs<'_>) -> Result<Vec<i64>, String> {
+        let k = attrs.i64("k").unwrap_or(1);
+        match shapes.first() {
+            Some(&[r, _]) => Ok(vec![r * k]),
+            s => Err(format!("x: expected 2 dimensions, got {s:?}")),
+        }
+    }
+
+    fn params(p: &[&str]) -> Vec<String> {
+        p.iter().map(|&p| p.to_owned()).collect()
+    }
+
+    #[test]
+    fn like_names_resolve_to_tensor_positions_and_rules_run() {
+        let results = [
+            ResultDef::like("y", "w"),
+            ResultDef::rule("r", rows, ResultDType::Is(DataType::INT32)).residual(),
+        ];
+        let r = resolve("k", &params(&["x", "eps", "w"]), &[("eps", "float64")], &results).unwrap();
+        // w is tensor 1 (eps is an attribute).
+        assert_eq!(r[0].shape, Ok(1));
+        assert_eq!(r[0].dtype, Ok(1));
+        assert!(r[1].residual && r[1].dtype == Err(DataType::INT32));
+        let mut a = Attrs::new();
+        a.insert("k", AttrValue::Int(3));
+        let shapes = result_shapes("k", &r, &[&[4, 5], &[5]], &a).unwrap();
+        assert_eq!(shapes, vec![vec![5], vec![12]]);
+        let e = result_shapes("k", &r, &[&[4, 5, 6], &[5]], &a).unwrap_err();
+        assert_eq!(e, "k: result r: x: expected 2 dimensions, got Some([4, 5, 6])");
+    }
+
+    #[test]
+    fn a_bad_declaration_names_the_result_and_the_value() {
+        let p = params(&["x", "eps"]);
+        let attrs = [("eps", "float64")];
+        let e = resolve("k", &p, &attrs, &[ResultDef::like("y", "eps")]).unwrap_err();
+        assert_eq!(
+            e,
+            "kernel k: results[0] (y): shape like \"eps\", which is no tensor parameter (tensors: x)"
+        );
+        let e = resolve("k", &p, &attrs, &[ResultDef::like("x", "x")]).unwrap_err();
+        assert!(e.contains("results[0] (x): the name is taken"), "{e}");
+        let e =
+            resolve("k", &p, &attrs, &[ResultDef::like("y", "x"), ResultDef::like("y", "x")]).unwrap_err();
+        assert!(e.contains("results[1] (y): a second result"), "{e}");
+        let e = resolve("k", &p, &attrs, &[ResultDef::like("9y", "x")]).unwrap_err();
+        assert!(e.contains("letters, digits and underscores"), "{e}");
+        let e = resolve("k", &p, &attrs, &[ResultDef::like("y", "x").residual()]).unwrap_err();
+        assert!(e.contains("every result is a residual"), "{e}");
+        fn negative(_: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+            Ok(vec![-1])
+        }
+        let r = resolve("k", &p, &attrs, &[ResultDef::rule("y", negative, ResultDType::Like("x"))]).unwrap();
+        let e = result_shapes("k", &r, &[&[2]], &Attrs::new()).unwrap_err();
+        assert_eq!(e, "k: result y: the shape rule gave extent -1 in [-1]");
+    }
+
+    #[test]
+    fn attrs_read_by_type() {
+        let mut a = Attrs::new();
+        a.insert("f", AttrValue::Float(0.5));
+        a.insert("n", AttrValue::Int(2));
+        a.insert("b", AttrValue::Bool(true));
+        a.insert("n", AttrValue::Int(3));
+        assert_eq!((a.f64("f"), a.f64("n"), a.i64("n"), a.bool("b")), (Ok(0.5), Ok(3.0), Ok(3), Ok(true)));
+        assert_eq!(a.i64("f").unwrap_err(), "attribute f: no int attribute of that name");
+        assert_eq!(a.get("zz"), None);
+    }
+}
