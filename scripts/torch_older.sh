@@ -23,6 +23,7 @@
 #
 # Writes its summary lines to $TORCH_OLDER_SUMMARY (default: stdout); exit 1 on any failure.
 set -euo pipefail
+export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1} # run on its own too: no pip cache (see the Makefile)
 cd "$(dirname "$0")/.."
 root=$(pwd)
 v=${TORCH_OLDER_PYTHON:-3.12}
