@@ -112,8 +112,9 @@ py-test: develop ## the Python tests (shipped suite, examples, README and guide,
 # The shipped suite on CPython 3.10, 3.12, 3.13, 3.14 and 3.15 too (one virtualenv each, .venv-3.X;
 # 3.11 is .venv above). 3.14 and 3.15 come from Debian unstable, in a root scripts/sid_root.sh
 # makes once outside the clone (DLBRIDGE_SID_ROOT, default /var/cache/dlbridge-sid; needs root)
-# and mounts only while the matrix runs in it.
-matrix: $(STAMP) ## the shipped suite on CPython 3.10, 3.12, 3.13, 3.14, 3.15
+# and mounts only while the matrix runs in it. After 3.12, scripts/torch_older.sh runs the same 3.12
+# wheels (dlbridge's and the examples') against the pinned torch and torch 2.11 (.venv-torch2.11).
+matrix: $(STAMP) ## the shipped suite on CPython 3.10, 3.12, 3.13, 3.14, 3.15; torch 2.11 too
 	bash scripts/matrix.sh
 
 # The .pyi stubs must match the compiled module.
@@ -157,4 +158,4 @@ soak: develop ## 10^6 round trips per path, memory growth
 
 clean: ## remove target/ and the virtualenvs
 	$(CARGO) clean
-	rm -rf $(VENV) $(CURDIR)/.venv-3.*
+	rm -rf $(VENV) $(CURDIR)/.venv-3.* $(CURDIR)/.venv-torch*

@@ -3,8 +3,11 @@
 # which `make py-test` covers with every library), each with its own virtualenv, and the shipped
 # suite (`pytest --pyargs dlbridge`) run on it. Every interpreter gets numpy, ml_dtypes,
 # array-api-strict and pyarrow (the newest each publishes wheels for); 3.12, 3.14 and 3.15 also get
-# torch (3.12 is the GPU machine's Python), 3.14 jax and Ray too, each at python/requirements-test.txt's
-# pin. Ray and jaxlib publish no cp315 wheels, tensorflow none for cp314 or cp315: those tests skip.
+# torch (3.12 is the GPU machine's Python), 3.12 and 3.14 jax, 3.14 Ray too, each at
+# python/requirements-test.txt's pin. Ray and jaxlib publish no cp315 wheels, tensorflow none for
+# cp314 or cp315: those tests skip. Right after 3.12's suite, scripts/torch_older.sh runs the torch
+# tests of the same 3.12 wheels (dlbridge's and the example extensions') against the pinned torch
+# and against an older one (python/requirements-torch-older.txt: 2.11, the GPU machine's).
 #
 # Where the interpreters come from: 3.10, 3.12 and 3.13 from pyenv on this machine; 3.14 and 3.15
 # from Debian unstable, in a sid root that scripts/sid_root.sh makes once (cached outside the
@@ -26,7 +29,8 @@ root=$(pwd)
 versions=${MATRIX:-"3.10 3.12 3.13 3.14 3.15"}
 with_torch=${MATRIX_TORCH:-"3.12 3.14 3.15"}
 with_ray=${MATRIX_RAY:-"3.14"}
-with_jax=${MATRIX_JAX:-"3.14"}
+with_jax=${MATRIX_JAX:-"3.12 3.14"}
+with_older_torch=${MATRIX_OLDER_TORCH:-"3.12"}
 from_sid=${MATRIX_SID:-"3.14 3.15"}
 inside=${DLBRIDGE_IN_SID_ROOT:-}
 pin() { # the line of python/requirements-test.txt that pins $1
@@ -92,7 +96,8 @@ for v in $versions; do
     if [[ -n "$shared" && -s "$deps_file" ]]; then mode="shared-nvidia($(tr '\n' ' ' <"$deps_file"))"; else mode="plain"; fi
   fi
   has "$with_ray" "$v" && ray=$(pin ray)
-  has "$with_jax" "$v" && libs+=" $(pin 'jax\[cpu\]')"
+  # flatbuffers: jax.export's serialization (examples/kernels' tests, run on 3.12 by torch_older.sh).
+  has "$with_jax" "$v" && libs+=" $(pin 'jax\[cpu\]') flatbuffers"
   want="$libs${torch:+ $torch $mode}${ray:+ $ray}"
   t0=$SECONDS
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
@@ -152,6 +157,15 @@ for v in $versions; do
   found=$("$venv/bin/python" -c "import sys, numpy, importlib.util as u; print('%d.%d.%d' % sys.version_info[:3], 'numpy', numpy.__version__, *[m for m in ('torch', 'ray', 'jax', 'pyarrow', 'ml_dtypes', 'array_api_strict') if u.find_spec(m)])")
   summary+=("$v: ${line:-no result} ($found; install ${t_install} s, build ${t_build} s, suite ${t_suite} s)")
   [[ $rc -ne 0 ]] && status=1
+  if [[ -z "$inside" ]] && has "$with_older_torch" "$v"; then
+    # Now, while target/matrix's pyo3 is configured for this interpreter.
+    t0=$SECONDS
+    older_sum="$root/target/matrix/torch-older-summary.txt"
+    rm -f "$older_sum"
+    TORCH_OLDER_PYTHON=$v TORCH_OLDER_SUMMARY="$older_sum" bash scripts/torch_older.sh || status=1
+    if [[ -s "$older_sum" ]]; then mapfile -t -O "${#summary[@]}" summary <"$older_sum"; else summary+=("$v older torch: no result"); status=1; fi
+    summary+=("$v older torch: whole step $((SECONDS - t0)) s")
+  fi
 done
 
 if [[ -n "$inside" ]]; then

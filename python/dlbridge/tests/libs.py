@@ -46,6 +46,27 @@ def need(name: str) -> Any:
     return mod
 
 
+def torch_release() -> tuple[int, int]:
+    """The installed torch's (major, minor)."""
+    major, minor = need("torch").__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def skip_before_torch(release: tuple[int, int], why: str) -> None:
+    """Skips the test on a torch older than `release` (`make matrix` also tests torch 2.11,
+    python/requirements-torch-older.txt), naming both releases and the reason."""
+    if torch_release() < release:
+        pytest.skip(f"needs torch {release[0]}.{release[1]} or later (this is torch "
+                    f"{need('torch').__version__}): {why}")
+
+
+# torch.from_dlpack on negative strides: torch before 2.14 aborts the whole process (a c10::Error
+# thrown through a noexcept function, TensorMaker::computeStorageSize: pytorch issue 188023; seen
+# here on 2.11 and 2.13), 2.14 and later raise RuntimeError ("Storage size calculation overflowed").
+TORCH_NEGATIVE_STRIDES_RAISE = ((2, 14), "torch.from_dlpack aborts the process on negative strides "
+                                "(pytorch issue 188023), where later releases raise RuntimeError")
+
+
 class Delegate:
     """A pure-Python DLPack producer over another object's protocol methods: dlbridge takes its
     protocol path (no numpy or exchange-table fast path). Subclass it for a class of your own."""
