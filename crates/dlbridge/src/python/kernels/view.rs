@@ -376,23 +376,29 @@ impl<'a> TensorView<'a> {
             // The borrowed DLTensor cannot say read-only; dlbridge's own table refuses read-only
             // tensors there, and any refusal falls through to the owned import, which carries the
             // producer's flags (and its error, if it refuses too).
-            match api.dltensor(obj) {
-                Ok(Some(t)) if Device::from(t.device) == Device::CPU => {
-                    let mut b = blank();
-                    b.tensor = t;
+            let mut b = blank();
+            match api.dltensor_into(obj, &mut b.tensor) {
+                Ok(true) if Device::from(b.tensor.device) == Device::CPU => {
                     // SAFETY: the producer's description, read at once: ndim entries each (checked).
-                    match unsafe { crate::managed::dims_of(&t) } {
-                        Ok((shape, Some(strides))) => b.dims.set(shape, strides),
-                        Ok((shape, None)) => b.dims.set(shape, &crate::layout::c_strides(shape)),
-                        Err(e) => {
-                            recycle(b);
-                            return Err(e.into());
+                    let copied = match unsafe { crate::managed::dims_of(&b.tensor) } {
+                        Ok((shape, Some(strides))) => {
+                            b.dims.set(shape, strides);
+                            Ok(())
                         }
+                        Ok((shape, None)) => {
+                            b.dims.set(shape, &crate::layout::c_strides(shape));
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = copied {
+                        recycle(b);
+                        return Err(e.into());
                     }
                     b.torch = api.torch_state();
                     if b.torch.is_some() {
-                        // No Python has run since the table's description: the storage kept is the
-                        // one it describes.
+                        // No Python has run since the description: the storage kept is the one it
+                        // describes.
                         match crate::python::import::aten_bits_found(obj.py())
                             .and_then(|a| a.keep_memory(obj))
                         {
@@ -409,8 +415,9 @@ impl<'a> TensorView<'a> {
                     return Self::from_borrow(b, Flags::NONE, source, spec);
                 }
                 // Device memory needs stream handling: the protocol path below.
-                Ok(_) => {}
+                Ok(_) => recycle(b),
                 Err(_) => {
+                    recycle(b);
                     return Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source)
                         .checked(spec);
                 }
