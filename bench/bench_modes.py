@@ -1,7 +1,7 @@
 """`make bench`, the every-mode group (issue 22): one Rust kernel eagerly, inside `jax.jit` (XLA
 FFI) and inside `torch.compile` (a torch custom op), against the same work done the framework's own
-way. Also runnable alone (`python bench/bench_modes.py [--quick] [--ffi]`, `--ffi`: the two
-handler groups only); its targets join bench.py's
+way. Also runnable alone (`python bench/bench_modes.py [--quick] [--ffi] [--native]`, `--ffi`: the
+two handler groups only); its targets join bench.py's
 PASS/FAIL list and report.
 
 - a jitted call of a Rust FFI handler with an empty body on a small array, against the same
@@ -14,10 +14,14 @@ PASS/FAIL list and report.
   on the same data;
 - a `torch.compile`d softmax over 1e6 float32 through the kernel, against the eager call;
 - an empty-body kernel called from a `torch.compile`d function, against a custom op with an empty
-  body registered from Python with `torch.library.custom_op`, compiled the same way.
+  body registered from Python with `torch.library.custom_op`, compiled the same way;
 - a kernel with two results, one a residual (`rms_norm`: y, and rstd saved for the backward),
   against the same forward declared with one result (`rms_norm_inference`), per jitted call and
-  per `torch.compile`d call, on a small array (8 x 16 float32: the per-call cost, not the body).
+  per `torch.compile`d call, on a small array (8 x 16 float32: the per-call cost, not the body);
+- an empty kernel with a handler (a native torch op) against the same op written in C++ with
+  `STABLE_TORCH_LIBRARY` (built here with the system C++ compiler against torch's headers) and
+  against the kernel as a Python custom op: eager under `torch.inference_mode()`, eager in grad
+  mode, and inside `torch.compile` (`--native`: this group only).
 
 Cases compared are interleaved (each repeat times every case of its group in turn, in an order
 rotated every repeat); medians are reported (and compared, but for the chained handler calls).
@@ -50,6 +54,123 @@ static ffi::Error EmptyImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CppEmpty, EmptyImpl,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 """
+
+
+# The C++ twin of dlbridge's empty native kernel (`dlbridge_bench.native_empty_like`, a kernel with
+# an XLA handler that add_kernel makes a native torch op): the same op written against torch's
+# stable ABI with STABLE_TORCH_LIBRARY, doing the same work (x's extents, C-contiguous, its dtype
+# and device, allocated with aoti_torch_empty_strided as dlbridge's adapter allocates; nothing
+# computed). Built by the bench with the system C++ compiler against the venv torch's headers.
+CPP_TORCH_EMPTY = r"""
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+
+using torch::stable::Tensor;
+
+static Tensor empty_like_cpp(Tensor x) {
+  int64_t ndim = x.dim();
+  STD_TORCH_CHECK(ndim <= 16, "x: at most 16 dimensions");
+  int64_t sizes[16], strides[16];
+  int64_t* s = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(x.get(), &s));
+  int64_t step = 1;
+  for (int64_t i = ndim - 1; i >= 0; --i) {
+    sizes[i] = s[i];
+    strides[i] = step;
+    step *= s[i] > 1 ? s[i] : 1;
+  }
+  int32_t dtype, device_type, device_index;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(x.get(), &dtype));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(x.get(), &device_type));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(x.get(), &device_index));
+  AtenTensorHandle out;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(ndim, sizes, strides, dtype, device_type, device_index, &out));
+  return Tensor(out);
+}
+
+STABLE_TORCH_LIBRARY(dlbridge_bench_cpp, m) { m.def("empty_like(Tensor x) -> Tensor"); }
+STABLE_TORCH_LIBRARY_IMPL(dlbridge_bench_cpp, CPU, m) { m.impl("empty_like", TORCH_BOX(&empty_like_cpp)); }
+STABLE_TORCH_LIBRARY_IMPL(dlbridge_bench_cpp, Meta, m) { m.impl("empty_like", TORCH_BOX(&empty_like_cpp)); }
+"""
+
+
+def cpp_torch_op(torch) -> None:
+    """Builds CPP_TORCH_EMPTY into target/ (g++ against the venv torch's headers, linked to its
+    libtorch_cpu, which the process has already loaded) and loads it: torch.ops.dlbridge_bench_cpp."""
+    root = Path(__file__).resolve().parent.parent / "target" / "bench-torch-cpp"
+    root.mkdir(parents=True, exist_ok=True)
+    src, lib = root / "empty_like.cc", root / "libdlbridge_bench_cpp.so"
+    src.write_text(CPP_TORCH_EMPTY)
+    tdir = Path(torch.__file__).resolve().parent
+    cxx = os.environ.get("CXX", "g++")
+    subprocess.run(
+        [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-I", str(tdir / "include"), str(src), "-o", str(lib),
+         "-L", str(tdir / "lib"), "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{tdir / 'lib'}"],
+        check=True,
+    )
+    torch.ops.load_library(str(lib))
+
+
+def torch_native(torch, kernels, D, scale: float, results: dict, targets: list) -> None:
+    """dlbridge's empty native kernel (a kernel with a handler: a native torch op) against the same
+    op in C++ through STABLE_TORCH_LIBRARY and against the same kernel as a Python custom op
+    (what dlbridge made before kernels were native ops), eagerly and compiled."""
+    nat = D.native_empty_like
+    if nat._native_fallback is not None:
+        print(f"  (native torch op rows skipped: the kernel is a Python op here: {nat._native_fallback})")
+        return
+    cpp_torch_op(torch)
+    py = kernels.kernel(nat.__wrapped__, name="native_empty_like_py", out="x")
+    n_op, p_op, c_op = nat._overload, py._overload, torch.ops.dlbridge_bench_cpp.empty_like.default
+    x = torch.zeros(16)
+    n = int(2000 * scale)
+
+    with torch.inference_mode():
+        xi = torch.zeros(16)
+        r = interleaved({
+            "eager, inference_mode: dlbridge native kernel op (16 f32)": lambda: n_op(xi),
+            "eager, inference_mode: C++ STABLE_TORCH_LIBRARY op (16 f32)": lambda: c_op(xi),
+        }, n)
+    results.update(r)
+    a, b = r["eager, inference_mode: dlbridge native kernel op (16 f32)"], r["eager, inference_mode: C++ STABLE_TORCH_LIBRARY op (16 f32)"]
+    targets.append(target("empty kernel, eager under inference_mode: dlbridge native op vs the C++ STABLE_TORCH_LIBRARY op",
+                          a / b, 1.1, a, b, "dlbridge", "C++"))
+
+    r = interleaved({
+        "eager, grad mode: dlbridge native kernel op (16 f32)": lambda: n_op(x),
+        "eager, grad mode: the kernel as a Python custom op (16 f32)": lambda: p_op(x),
+    }, n)
+    results.update(r)
+    a, b = r["eager, grad mode: dlbridge native kernel op (16 f32)"], r["eager, grad mode: the kernel as a Python custom op (16 f32)"]
+    targets.append(target("empty kernel, eager in grad mode: dlbridge native op vs the kernel as a Python custom op",
+                          a / b, 1.0, a, b, "native", "Python op"))
+
+    # Compiled and called under inference_mode (the targets: no autograd kernel runs), and, for
+    # the record, in grad mode (where torch.library's Python autograd kernel of the dlbridge op
+    # runs on every call: autograd has no stable C API; the C++ op has no autograd kernel).
+    compiled = {}
+    for mode in ("inference_mode", "grad mode"):
+        with torch.inference_mode() if mode == "inference_mode" else torch.enable_grad():
+            xc = torch.zeros(16)
+            fn = torch.compile(lambda x: nat(x), fullgraph=True)
+            fc = torch.compile(lambda x: torch.ops.dlbridge_bench_cpp.empty_like(x), fullgraph=True)
+            fp = torch.compile(lambda x: py(x), fullgraph=True)
+            fn(xc), fc(xc), fp(xc)
+            r = interleaved({
+                f"torch.compile, {mode}: dlbridge native kernel op (16 f32)": lambda: fn(xc),
+                f"torch.compile, {mode}: C++ STABLE_TORCH_LIBRARY op (16 f32)": lambda: fc(xc),
+                f"torch.compile, {mode}: the kernel as a Python custom op (16 f32)": lambda: fp(xc),
+            }, max(1, n // 10))
+        results.update(r)
+        compiled[mode] = list(r.values())
+    a, b, c = compiled["inference_mode"]
+    targets.append(target("empty kernel in torch.compile (inference_mode): dlbridge native op vs the C++ STABLE_TORCH_LIBRARY op",
+                          a / b, 1.1, a, b, "dlbridge", "C++"))
+    targets.append(target("empty kernel in torch.compile (inference_mode): dlbridge native op vs the kernel as a Python custom op",
+                          a / c, 0.6, a, c, "native", "Python op"))
+    a, b, c = compiled["grad mode"]
+    print(f"  (grad mode, compiled: native / C++ {a / b:.2f} x, native / Python op {a / c:.2f} x; no target)")
 
 
 def interleaved(cases: dict[str, object], number: int, repeats: int = REPEATS) -> dict[str, float]:
@@ -107,7 +228,7 @@ def target(name: str, ratio: float, limit: float, a: float, b: float, what_a: st
     }
 
 
-def run(quick: bool = False, ffi_only: bool = False) -> tuple[dict[str, float], list[dict]]:
+def run(quick: bool = False, ffi_only: bool = False, native_only: bool = False) -> tuple[dict[str, float], list[dict]]:
     """Every case (median seconds) and every target of this group."""
     print("\n== every mode: one Rust kernel eagerly, in jax.jit, in torch.compile (interleaved medians)", flush=True)
     import numpy as np
@@ -126,6 +247,9 @@ def run(quick: bool = False, ffi_only: bool = False) -> tuple[dict[str, float], 
     scale = 0.2 if quick else 1.0
     results: dict[str, float] = {}
     targets: list[dict] = []
+    if native_only:
+        torch_native(torch, kernels, D, scale, results, targets)
+        return report(results, targets)
 
     # 1. jitted empty-body handler: Rust (xla_handler!) against C++ (ffi.h), 16 float32.
     capsule, keep = cpp_handler(jax)
@@ -256,6 +380,10 @@ def run(quick: bool = False, ffi_only: bool = False) -> tuple[dict[str, float], 
         tg["detail"] += f" (medians {a_med * 1e6:.2f} and {b_med * 1e6:.2f} us)"
         targets.append(tg)
 
+    # 6. the empty native kernel against the same op in C++ (STABLE_TORCH_LIBRARY) and against the
+    # kernel as a Python custom op, eagerly and compiled.
+    torch_native(torch, kernels, D, scale, results, targets)
+
     return report(results, targets)
 
 
@@ -266,7 +394,7 @@ def report(results: dict[str, float], targets: list[dict]) -> tuple[dict[str, fl
 
 
 if __name__ == "__main__":
-    _, targets = run(quick="--quick" in sys.argv, ffi_only="--ffi" in sys.argv)
+    _, targets = run(quick="--quick" in sys.argv, ffi_only="--ffi" in sys.argv, native_only="--native" in sys.argv)
     print("\n== targets (every mode)")
     for tg in targets:
         print(f"  {'PASS' if tg['pass'] else 'FAIL'}  {tg['name']}: {tg['detail']}")

@@ -209,6 +209,25 @@ fn torch_from_vec(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyAny>> {
     dlbridge::Framework::torch(py)?.from_vec(py, vec![0f32; n], &[n])
 }
 
+dlbridge::xla_handler! {
+    /// `native_empty_like`'s handler: its operand and result decoded, nothing computed.
+    fn empty_like_xla(call, operands: 1, results: 1) {
+        call.input_any(0, "x")?;
+        call.output_any(0, "out")?;
+        Ok(())
+    }
+}
+
+/// `native_empty_like(x)`: a new uninitialised float32 tensor like `x` (the eager body of an
+/// empty kernel; as a kernel with a handler, `add_kernel` makes it a native torch op).
+#[pyfunction]
+fn native_empty_like(
+    py: Python<'_>,
+    x: dlbridge::python::TensorRef<'_, f32>,
+) -> PyResult<dlbridge::python::Output<f32>> {
+    x.empty_like::<f32>(py)
+}
+
 /// The shim module.
 #[pymodule]
 fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -233,5 +252,13 @@ fn dlbridge_bench(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(arg_mut_1c, m)?)?;
     m.add_function(wrap_pyfunction!(numpy_from_vec, m)?)?;
     m.add_function(wrap_pyfunction!(torch_from_vec, m)?)?;
+    m.add_function(wrap_pyfunction!(native_empty_like, m)?)?;
+    // An empty kernel with a handler: a native torch op (torch.ops.dlbridge_bench.native_empty_like).
+    let def = dlbridge::python::KernelDef {
+        out: Some("x"),
+        ffi: Some(empty_like_xla),
+        ..dlbridge::python::KernelDef::default()
+    };
+    dlbridge::python::add_kernel(m, m.getattr("native_empty_like")?, &def, None)?;
     Ok(())
 }

@@ -10,7 +10,6 @@ use dlpark::ffi::{DLDataType, DLDevice};
 use dlpark::metadata::Fixed;
 use dlpark::python::consumer::exchange::ExchangeApi;
 use dlpark::python::from_dlpack;
-use dlpark::tensor::TensorRef;
 use dlpark::versioned;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -44,22 +43,34 @@ fn import_capsule_ptr(capsule: &Bound<'_, PyAny>) -> PyResult<usize> {
     import_ptr(capsule)
 }
 
-/// Borrowed view through the producer's C exchange API (`dltensor_from_py_object_no_sync`, via
-/// `ExchangeApi::from_object` + `ExchangeApi::with_tensor_view_no_sync`): no managed tensor, no
-/// deleter. The view is validated (`TensorRef::from_raw`) before its data pointer is read.
-/// Objects whose type has no C exchange API (numpy) raise TypeError.
+thread_local! {
+    /// The exchange table of the last type seen (a reference to the type with it): looked up
+    /// once, as a consumer that keeps its producer's table does.
+    static TABLE: std::cell::RefCell<Option<(Py<pyo3::types::PyType>, ExchangeApi)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Borrowed view through the producer's C exchange API, what dlpark's public API offers for it
+/// (`ExchangeApi::with_tensor_view_no_sync`: the table's `dltensor_from_py_object_no_sync`, then
+/// its `current_work_stream` for the tensor's device), with the table looked up once per type
+/// (`ExchangeApi::from_object` reads the type's attribute) and nothing checked: the data pointer
+/// is read straight from the `DLTensor` torch filled. Objects whose type has no C exchange API
+/// (numpy) raise TypeError.
 #[pyfunction]
 fn view_ptr(x: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let Some(api) = ExchangeApi::from_object(x.as_borrowed())? else {
-        return Err(PyTypeError::new_err(
-            "object has no DLPack C exchange API (__dlpack_c_exchange_api__)",
-        ));
-    };
-    api.with_tensor_view_no_sync(x.as_borrowed(), |t, _stream| {
-        // SAFETY: the producer's view is valid for the duration of this callback.
-        let r = unsafe { TensorRef::from_raw(t) }.map_err(value_error)?;
-        Ok(r.data_ptr() as usize + r.byte_offset() as usize)
-    })?
+    let ty = x.get_type_ptr();
+    TABLE.with_borrow_mut(|cached| {
+        if cached.as_ref().is_none_or(|(t, _)| t.as_ptr().cast() != ty) {
+            let Some(api) = ExchangeApi::from_object(x.as_borrowed())? else {
+                return Err(PyTypeError::new_err(
+                    "object has no DLPack C exchange API (__dlpack_c_exchange_api__)",
+                ));
+            };
+            *cached = Some((x.get_type().unbind(), api));
+        }
+        let (_, api) = cached.as_ref().expect("set above");
+        api.with_tensor_view_no_sync(x.as_borrowed(), |t, _stream| t.data as usize + t.byte_offset as usize)
+    })
 }
 
 /// Export a float32 vector of shape `[len]` on the CPU whose data lives in (or is kept alive by)

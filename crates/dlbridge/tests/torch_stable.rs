@@ -643,3 +643,34 @@ fn an_in_place_op_checks_then_bumps_its_written_argument_through_the_version_hoo
     assert_eq!(f32s(&y9), [3.0; 9]);
     assert!(!BUMPED.lock().unwrap().iter().any(|&(_, n)| n == 9));
 }
+
+#[test]
+fn a_borrowed_description_is_the_tensors_layout_without_a_new_handle() {
+    let Some(t) = torch() else { return };
+    let d = t.describer().unwrap();
+    let x = t.empty(&[4, 6], DataType::FLOAT64, TorchDevice::CPU).unwrap();
+    let v = narrow(&narrow(&x, 0, 1, 2), 1, 2, 3); // an offset, strided view: extents [2, 3], strides [6, 1]
+    // SAFETY: a live owning handle of this torch; nothing changes its metadata meanwhile.
+    let seen = unsafe { d.describe(v.as_raw()) }.expect("a CPU strided float64 tensor");
+    assert_eq!(seen.ndim, 2);
+    // SAFETY: two extents and two strides, alive while `v` is unchanged.
+    let (shape, strides) = unsafe {
+        (
+            std::slice::from_raw_parts(seen.shape, 2).to_vec(),
+            std::slice::from_raw_parts(seen.strides, 2).to_vec(),
+        )
+    };
+    assert_eq!((shape, strides), (vec![2, 3], vec![6, 1]));
+    assert_eq!(DataType::from(seen.dtype), DataType::FLOAT64);
+    assert_eq!(seen.byte_offset, 0);
+    // The first element's address: the storage offset (1 * 6 + 2 elements) applied.
+    assert_eq!(seen.data as usize, x.data_ptr().unwrap() as usize + 8 * 8);
+    let scalar = t.empty(&[], DataType::INT32, TorchDevice::CPU).unwrap();
+    // SAFETY: as above.
+    let s = unsafe { d.describe(scalar.as_raw()) }.expect("a 0-d tensor");
+    assert!(s.ndim == 0 && s.shape.is_null() && s.strides.is_null());
+    // Not described: a tensor on the meta device (the caller asks its other path).
+    let meta = t.empty(&[3], DataType::FLOAT32, TorchDevice::META).unwrap();
+    // SAFETY: as above.
+    assert!(unsafe { d.describe(meta.as_raw()) }.is_none());
+}

@@ -751,3 +751,80 @@ print(y.is_shared())
 """
     )
     assert out.split() == ["True", "False", "True"]
+
+
+def _described(torch):
+    """(name, tensor): layouts and dtypes a borrowed view reads through torch's stable accessors
+    (or, for a dtype they have no code for, through the exchange table)."""
+    base = torch.arange(24.0).reshape(2, 3, 4)
+    with torch.inference_mode():
+        inference = torch.arange(3.0)
+    return {
+        "offset strided slice": torch.arange(10.0)[2:9:3],
+        "transposed": base[1].t(),
+        "permuted": base.permute(2, 0, 1),
+        "expanded (stride 0)": torch.ones(3, 1).expand(3, 4),
+        "0-d": torch.tensor(5.0),
+        "empty": torch.zeros(0, 3),
+        "bool": torch.tensor([True, False]),
+        "bfloat16": torch.zeros(2, dtype=torch.bfloat16),
+        "float16": torch.zeros(2, dtype=torch.float16),
+        "float64": torch.zeros(2, dtype=torch.float64),
+        "int8 at an offset": torch.arange(8, dtype=torch.int8)[3:],
+        "uint8": torch.zeros(5, dtype=torch.uint8),
+        "int64": torch.arange(4),
+        "complex64": torch.zeros(2, dtype=torch.complex64),
+        "complex128 slice": torch.zeros(4, dtype=torch.complex128)[1::2],
+        "uint16": torch.zeros(3, dtype=torch.uint16),
+        "float8 (the table's)": torch.zeros(3, dtype=torch.float8_e4m3fn),
+        "inference tensor": inference,
+        "requires grad, detached": torch.ones(2, requires_grad=True).detach(),
+    }
+
+
+@hooks
+@pytest.mark.parametrize("name", [
+    "offset strided slice", "transposed", "permuted", "expanded (stride 0)", "0-d", "empty", "bool",
+    "bfloat16", "float16", "float64", "int8 at an offset", "uint8", "int64", "complex64",
+    "complex128 slice", "uint16", "float8 (the table's)", "inference tensor", "requires grad, detached",
+])
+def test_a_torch_view_sees_what_torch_shows(name: str) -> None:
+    # The view of exactly torch.Tensor reads its description through torch's stable accessors on
+    # the tensor's own at::Tensor (verified once against the exchange table); whatever it reads must
+    # be what torch itself shows: the first element's address, extents, strides, dtype, writable.
+    torch = need("torch")
+    t = _described(torch)[name]
+    ptr, shape, strides, dtype, readonly = dlbridge._dlbridge._view(t)
+    assert (shape, strides) == (list(t.shape), list(t.stride()))
+    assert dtype == str(t.dtype).removeprefix("torch.") and readonly is False
+    assert ptr == t.data_ptr()
+    assert dlbridge._dlbridge._torch_views_from_stable_abi() is True
+
+
+@hooks
+def test_a_torch_view_of_a_lazy_clone_copies_it_first_as_torchs_own_export_does() -> None:
+    # A copy-on-write storage (torch._lazy_clone) is copied when a writable pointer is asked for,
+    # as torch's DLPack export asks: the view must not point into the memory the clone shares.
+    torch = need("torch")
+    src = torch.arange(4.0, dtype=torch.float64)
+    lazy = torch._lazy_clone(src)
+    ptr = dlbridge._dlbridge._view(lazy)[0]
+    assert ptr != src.data_ptr() and ptr == lazy.data_ptr()
+    assert dlbridge._dlbridge._view_add(lazy, 1.0) == 4.0 + 6.0
+    assert src.tolist() == [0.0, 1.0, 2.0, 3.0] and lazy.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@hooks
+def test_torch_tensors_the_stable_accessors_do_not_describe_are_refused_as_before() -> None:
+    # Not on the CPU, not strided, no sizes or storage: the accessors leave them to the exchange
+    # table and torch's __dlpack__, whose refusals name the reason (nothing printed, no abort).
+    torch = need("torch")
+    cases = {
+        "sparse": (torch.zeros(3).to_sparse(), "layout other than torch.strided"),
+        "meta": (torch.zeros(3, device="meta"), "meta"),
+        "mkldnn": (torch.zeros(2, 2).to_mkldnn(), "OpaqueTensorImpl"),
+    }
+    for name, (t, why) in cases.items():
+        with pytest.raises(BufferError, match=why):
+            dlbridge._dlbridge._view(t)
+    assert dlbridge._dlbridge._view(torch.arange(3.0))[1] == [3]

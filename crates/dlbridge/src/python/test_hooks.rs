@@ -37,6 +37,7 @@ pub(super) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_torch_bits_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_writes_from_aten, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_views_keep_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_views_from_stable_abi, m)?)?;
     m.add_function(wrap_pyfunction!(_xla_copy_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(_table_allocate, m)?)?;
     m.add_class::<HostileBuffer>()?;
@@ -361,6 +362,13 @@ fn _torch_writes_from_aten(py: Python<'_>) -> bool {
 #[pyfunction]
 fn _torch_views_keep_memory(py: Python<'_>) -> bool {
     super::import::aten_bits(py).is_some_and(|b| b.keeps_memory())
+}
+
+/// Whether borrowed views of exactly `torch.Tensor` are described through torch's stable
+/// accessors in this process (verified once against the exchange table; else the table is asked).
+#[pyfunction]
+fn _torch_views_from_stable_abi(py: Python<'_>) -> bool {
+    super::import::aten_bits(py).is_some_and(|b| b.describes_stably())
 }
 
 crate::xla_handler! {

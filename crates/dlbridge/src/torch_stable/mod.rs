@@ -46,6 +46,7 @@
 //! [`Library`] handles are never deleted (deleting one de-registers what it registered), so a
 //! registration lasts for the process.
 
+mod borrowed;
 mod kernel;
 mod library;
 mod signature;
@@ -58,6 +59,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
+pub use borrowed::Describer;
 pub use kernel::{Args, KernelError, NativeKernel, Outputs, Value, boxed_kernel, register_kernel, run_boxed};
 pub use library::Library;
 pub use signature::{ArgKind, OpSignature};

@@ -137,6 +137,8 @@ symbols! {
     aoti_torch_get_device_type: fn(AtenTensorHandle, *mut i32) -> AOTITorchError;
     /// The device index.
     aoti_torch_get_device_index: fn(AtenTensorHandle, *mut i32) -> AOTITorchError;
+    /// The layout code (`aoti_torch_layout_*`).
+    aoti_torch_get_layout: fn(AtenTensorHandle, *mut i32) -> AOTITorchError;
     /// The storage offset, in elements.
     aoti_torch_get_storage_offset: fn(AtenTensorHandle, *mut i64) -> AOTITorchError;
     /// Whether the tensor is C-contiguous.

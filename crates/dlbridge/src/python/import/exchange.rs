@@ -551,16 +551,93 @@ impl ExchangeApi {
         if self.api.dltensor_from_py_object_no_sync.is_none() {
             return Ok(None);
         }
+        let mut t = DLTensor {
+            data: std::ptr::null_mut(),
+            device: crate::Device::CPU.to_raw(),
+            ndim: 0,
+            dtype: DataType::UINT8.to_raw(),
+            shape: std::ptr::null_mut(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        };
+        Ok(self.dltensor_into(obj, &mut t)?.then_some(t))
+    }
+
+    /// [`ExchangeApi::dltensor`] written into `out` (no copy of the whole struct through the
+    /// result: a borrowed view writes it where it lives); `Ok(false)` when the table has no
+    /// `dltensor_from_py_object_no_sync` (`out` then holds nothing usable).
+    #[inline]
+    pub(crate) fn dltensor_into(&self, obj: &Bound<'_, PyAny>, out: &mut DLTensor) -> PyResult<bool> {
+        if !self.serves(obj) {
+            return Err(Self::wrong_type(obj));
+        }
+        if self.api.dltensor_from_py_object_no_sync.is_none() {
+            return Ok(false);
+        }
+        if let Some(done) = self.stable_dltensor_checked(obj, out) {
+            return done.map(|()| true);
+        }
         // The lazy-view checks first: they may run Python (a subclass's methods, a torch function
         // mode, the first search for ATen's kernels), which may replace the tensor's storage. After
         // the table's call nothing runs Python until the borrowed description is used.
         refuse_lazy_views(obj, None, self.torch_state)?;
-        self.dltensor_unchecked(obj)
+        match self.dltensor_from_table(obj)? {
+            Some(t) => {
+                *out = t;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The checked description of exactly `torch.Tensor` through torch's stable accessors and
+    /// ATen's bits, none of which runs Python: the negative bit, the description, the conjugate
+    /// bit for a complex tensor. `None`: not decided here (another type, not verified, not
+    /// described: not on the CPU, an unusual tensor): the table's path.
+    #[inline]
+    fn stable_dltensor_checked(&self, obj: &Bound<'_, PyAny>, out: &mut DLTensor) -> Option<PyResult<()>> {
+        self.torch_state?;
+        let bits = super::torch_bits::aten_bits_found(obj.py())?;
+        if bits.is_neg(obj)? {
+            return Some(Err(lazy_view_error("is_neg", "the negative bit set", "resolve_neg")));
+        }
+        if !bits.stable_dltensor_into(obj, out) {
+            return None;
+        }
+        let complex = DataType::from(out.dtype).code() == crate::dtype::TypeCode::COMPLEX;
+        if complex && bits.is_conj(obj)? {
+            return Some(Err(lazy_view_error("is_conj", "the conjugate bit set", "resolve_conj")));
+        }
+        Some(Ok(()))
+    }
+
+    /// For a type with torch's state: `obj`'s description read through torch's stable accessors on
+    /// its own `at::Tensor` (exactly `torch.Tensor` on the CPU, verified: a few C calls, where the
+    /// table's borrowed export retakes the GIL and copies the tensor); `None`: ask the table.
+    #[inline]
+    fn stable_dltensor(&self, obj: &Bound<'_, PyAny>) -> Option<DLTensor> {
+        self.torch_state?;
+        super::torch_bits::aten_bits_found(obj.py())?.stable_dltensor(obj)
     }
 
     /// The table's borrowed `DLTensor` of `obj`, with no check of dlbridge's but the type's (runs
     /// no Python).
     pub(crate) fn dltensor_unchecked(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DLTensor>> {
+        if !self.serves(obj) {
+            return Err(Self::wrong_type(obj));
+        }
+        if self.api.dltensor_from_py_object_no_sync.is_none() {
+            return Ok(None);
+        }
+        if let Some(t) = self.stable_dltensor(obj) {
+            return Ok(Some(t));
+        }
+        self.dltensor_from_table(obj)
+    }
+
+    /// The table's own borrowed `DLTensor` of `obj` (`dltensor_from_py_object_no_sync`), with no
+    /// check of dlbridge's but the type's (runs no Python).
+    fn dltensor_from_table(&self, obj: &Bound<'_, PyAny>) -> PyResult<Option<DLTensor>> {
         if !self.serves(obj) {
             return Err(Self::wrong_type(obj));
         }

@@ -94,7 +94,19 @@ pub(crate) struct AtenBits {
     /// `bool c10::TensorImpl::requires_grad() const` (its `this`: the tensor's `TensorImpl`), when
     /// found and verified against the `requires_grad` getter on probes (else the getter is asked).
     requires_grad: Option<BitFn>,
+    /// torch's stable accessors reading a tensor's description on its own `at::Tensor` (the
+    /// `cdata`), when found and verified against the exchange table's borrowed `DLTensor` on
+    /// probes (else the table is asked).
+    stable: Option<Stable>,
 }
+
+/// The stable accessors a borrowed view reads (`torch_stable`, Unix).
+#[cfg(all(feature = "torch-stable", unix))]
+type Stable = crate::torch_stable::Describer;
+/// No stable accessors here.
+#[cfg(not(all(feature = "torch-stable", unix)))]
+#[derive(Clone, Copy)]
+enum Stable {}
 
 /// torch's version bump, inference test and grad mode (see the module docs).
 struct Versions {
@@ -235,6 +247,70 @@ impl AtenBits {
         // const member of that name, `this` its only argument, verified against the getter on
         // probes; it reads two fields and cannot throw.
         Some(unsafe { f(*t.cast::<*const c_void>()) })
+    }
+
+    /// `obj`'s borrowed description (what torch's exchange table's `dltensor_from_py_object_no_sync`
+    /// gives, read without it: see `torch_stable::Describer::describe`), or `None` when `obj` is
+    /// not exactly `torch.Tensor`, the accessors were not verified, or they do not describe this
+    /// tensor (not on the CPU, not strided, a dtype without a DLPack type, no storage): then the
+    /// table is asked. Runs no Python. The shape and strides point into the tensor's metadata:
+    /// copy them before any Python runs.
+    #[inline]
+    pub(crate) fn stable_dltensor(&self, obj: &Bound<'_, PyAny>) -> Option<crate::ffi::DLTensor> {
+        #[cfg(all(feature = "torch-stable", unix))]
+        {
+            self.stable_dltensor_with(self.stable.as_ref()?, obj)
+        }
+        #[cfg(not(all(feature = "torch-stable", unix)))]
+        {
+            let _ = obj;
+            match self.stable {
+                None => None,
+            }
+        }
+    }
+
+    /// [`AtenBits::stable_dltensor`] through `describer` (verified, or being verified on probes).
+    #[cfg(all(feature = "torch-stable", unix))]
+    #[inline]
+    fn stable_dltensor_with(
+        &self,
+        describer: &Stable,
+        obj: &Bound<'_, PyAny>,
+    ) -> Option<crate::ffi::DLTensor> {
+        let t = self.tensor_of(obj)?;
+        // SAFETY: `t` points to the live object's defined `at::Tensor` (as in `is_neg`), which is
+        // what an `AtenTensorHandle` points to (torch's header says so; verified on probes: the
+        // accessors read there what the exchange table describes); the GIL is held (`obj` is
+        // bound to it), so no Python changes its metadata during the reads.
+        unsafe { describer.describe(t.cast_mut().cast()) }
+    }
+
+    /// [`AtenBits::stable_dltensor`] written into `out` (`false`: not described here; `out`
+    /// then holds nothing usable).
+    #[inline]
+    pub(crate) fn stable_dltensor_into(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        out: &mut crate::ffi::DLTensor,
+    ) -> bool {
+        #[cfg(all(feature = "torch-stable", unix))]
+        {
+            let (Some(d), Some(t)) = (self.stable.as_ref(), self.tensor_of(obj)) else { return false };
+            // SAFETY: as in `stable_dltensor_with`.
+            unsafe { d.describe_into(t.cast_mut().cast(), out) }
+        }
+        #[cfg(not(all(feature = "torch-stable", unix)))]
+        {
+            let _ = (obj, out);
+            false
+        }
+    }
+
+    /// Whether borrowed views are described through the stable accessors (verified).
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn describes_stably(&self) -> bool {
+        self.stable.is_some()
     }
 
     /// `obj.is_conj()` read through ATen, or `None` when `obj` is not exactly `torch.Tensor`.
@@ -491,6 +567,7 @@ fn find(py: Python<'_>) -> PyResult<Option<AtenBits>> {
         versions: None,
         keep: None,
         requires_grad: sym(c"_ZNK3c1010TensorImpl13requires_gradEv"),
+        stable: None,
     };
     // The probes run with the caller's modes set aside (a TorchFunctionMode, a dispatch mode such
     // as FakeTensorMode or make_fx's tracer, a default device, inference mode): they are real CPU
@@ -585,7 +662,102 @@ fn probe(
         Err(e) if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => return Err(e),
         Err(_) => None,
     };
+    bits.stable = match find_stable(py, torch, bits) {
+        Ok(k) => k,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) => return Err(e),
+        Err(_) => None,
+    };
     Ok(true)
+}
+
+/// torch's stable accessors (`torch_stable::Describer`) on the `cdata` of probe tensors, checked
+/// against the exchange table's borrowed `DLTensor` of each (data, dtype, shape, strides: an
+/// offset and strided view, 0-d, empty, expanded, transposed, several dtypes, one that requires
+/// grad); a meta and a sparse tensor must be left to the table. `Ok(None)` when anything does not
+/// hold (no stable function, another handle layout, a disagreement).
+#[cfg(all(feature = "torch-stable", unix))]
+fn find_stable(py: Python<'_>, torch: &Bound<'_, PyAny>, bits: &AtenBits) -> PyResult<Option<Stable>> {
+    let Ok(describer) = crate::torch_stable::Torch::attach().and_then(|t| t.describer()) else {
+        return Ok(None);
+    };
+    let ty = torch.getattr("Tensor")?.cast_into::<pyo3::types::PyType>()?;
+    if ty.as_type_ptr() as usize != bits.ty {
+        return Ok(None);
+    }
+    // The type's own exchange table (DLPack 1.3's capsule; major version 1): the reference.
+    let cap = ty.getattr(pyo3::intern!(py, "__dlpack_c_exchange_api__"))?;
+    // SAFETY: IsValid checks the object is a capsule of exactly this name; sets no error.
+    if unsafe { ffi::PyCapsule_IsValid(cap.as_ptr(), c"dlpack_exchange_api".as_ptr()) } != 1 {
+        return Ok(None);
+    }
+    // SAFETY: a valid capsule of this name holds a process-lifetime table (DLPack's contract).
+    let api = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), c"dlpack_exchange_api".as_ptr()) }
+        .cast::<crate::ffi::DLPackExchangeAPI>();
+    // SAFETY: as above; NULL gives None; a major-1 header heads a full table.
+    let Some(f) = (unsafe { api.as_ref() })
+        .filter(|a| a.header.version.major == 1)
+        .and_then(|a| a.dltensor_from_py_object_no_sync)
+    else {
+        return Ok(None);
+    };
+    let listed_by_table = |p: &Bound<'_, PyAny>| {
+        let mut t = std::mem::MaybeUninit::<crate::ffi::DLTensor>::zeroed();
+        // SAFETY: an object of exactly the table's type (a probe tensor), the GIL held, a writable
+        // DLTensor, filled on success (and zeroed before).
+        (unsafe { f(p.as_ptr().cast(), t.as_mut_ptr()) } == 0).then(|| unsafe { t.assume_init() })
+    };
+    let globals = pyo3::types::PyDict::new(py);
+    globals.set_item("torch", torch)?;
+    let probes = py.eval(
+        c"[torch.arange(10.0)[2:9:3], torch.zeros(()), torch.zeros(0, 3), torch.ones(3, 1).expand(3, 4), \
+           torch.arange(6.0, dtype=torch.float64).reshape(2, 3).t(), torch.ones(2, 3, 4).permute(2, 0, 1), \
+           torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.float16), \
+           torch.zeros(3, dtype=torch.bool), torch.arange(4), torch.zeros(5, dtype=torch.uint8), \
+           torch.zeros(2, dtype=torch.complex64), torch.ones(2, requires_grad=True), \
+           torch.zeros(4, dtype=torch.int8)[1:]]",
+        Some(&globals),
+        None,
+    )?;
+    for p in probes.try_iter()? {
+        let p = p?;
+        let (Some(stable), Some(listed)) = (bits.stable_dltensor_with(&describer, &p), listed_by_table(&p))
+        else {
+            return Ok(None);
+        };
+        // SAFETY: both descriptions read just now, no Python run since: ndim entries each.
+        let same = unsafe {
+            stable.data == listed.data
+                && stable.byte_offset == listed.byte_offset
+                && stable.ndim == listed.ndim
+                && crate::DataType::from(stable.dtype) == crate::DataType::from(listed.dtype)
+                && crate::Device::from(stable.device) == crate::Device::from(listed.device)
+                && match (crate::managed::dims_of(&stable), crate::managed::dims_of(&listed)) {
+                    (Ok((s1, t1)), Ok((s2, t2))) => {
+                        let t1 = t1.map_or_else(|| crate::layout::c_strides(s1), <[i64]>::to_vec);
+                        let t2 = t2.map_or_else(|| crate::layout::c_strides(s2), <[i64]>::to_vec);
+                        s1 == s2 && t1 == t2
+                    }
+                    _ => false,
+                }
+        };
+        if !same {
+            return Ok(None);
+        }
+    }
+    let others =
+        py.eval(c"[torch.zeros(2, device='meta'), torch.zeros(3).to_sparse()]", Some(&globals), None)?;
+    for p in others.try_iter()? {
+        if bits.stable_dltensor_with(&describer, &p?).is_some() {
+            return Ok(None);
+        }
+    }
+    Ok(Some(describer))
+}
+
+/// No stable accessors without `torch_stable`.
+#[cfg(not(all(feature = "torch-stable", unix)))]
+fn find_stable(_: Python<'_>, _: &Bound<'_, PyAny>, _: &AtenBits) -> PyResult<Option<Stable>> {
+    Ok(None)
 }
 
 /// The version counter, bump, grad and inference mode, checked on probes; `Ok(None)` when anything

@@ -23,10 +23,16 @@ use crate::python::runtime::HeldBuffer;
 use crate::python::runtime::Tensor;
 use crate::spec::Spec;
 
-/// Where a borrowed `DLTensor` and the dims it points into live while the view exists: one heap
-/// block, so the addresses stay put when the view moves. The view holds it as a raw pointer (a
-/// `Box` moved after the `DLTensor` pointed into it would be retagged as unique).
+/// Where a view's tensor, the borrowed `DLTensor` it describes and the dims that points into live
+/// while the view exists: one heap block, so the addresses stay put when the view moves, and the
+/// view itself is two pointers (a view returned through a `#[pyfunction]`'s argument conversion
+/// is copied out of each result on the way: a larger one was written piecewise and read back
+/// whole, a store-forwarding stall per hop). The view holds it as a raw pointer (a `Box` moved
+/// after the `DLTensor` pointed into it would be retagged as unique).
 struct Borrow {
+    /// The view's tensor: `Some` from the view's construction to its drop (a borrowed one points
+    /// at `tensor` below; an owned import holds its own export), `None` in a spare block.
+    managed: Option<ManagedTensor>,
     tensor: DLTensor,
     dims: Dims,
     buffer: Option<HeldBuffer>,
@@ -62,10 +68,8 @@ thread_local! {
 /// }
 /// ```
 pub struct TensorView<'a> {
-    // Declared first so it drops before the storage it points into.
-    tensor: ManagedTensor,
-    /// The block `tensor` points into (from `Box::into_raw`), or None for an owned import.
-    borrow: Option<NonNull<Borrow>>,
+    /// The block holding the view's tensor (from `Box::into_raw`), owned by this view alone.
+    block: NonNull<Borrow>,
     /// The object viewed, alive for 'a (borrowed, no reference count).
     source: NonNull<ffi::PyObject>,
     _source: PhantomData<&'a ()>,
@@ -74,8 +78,10 @@ pub struct TensorView<'a> {
 
 impl Deref for TensorView<'_> {
     type Target = ManagedTensor;
+    #[inline]
     fn deref(&self) -> &ManagedTensor {
-        &self.tensor
+        // SAFETY: the block is owned by this view and holds its tensor from construction to drop.
+        unsafe { (*self.block.as_ptr()).managed.as_ref().unwrap_unchecked() }
     }
 }
 
@@ -85,7 +91,7 @@ impl TensorView<'_> {
     /// ([`crate::Error::WriteRefused`]); reading it is fine.
     pub fn as_slice_mut<T: crate::Element>(&mut self) -> crate::Result<crate::SliceMut<'_, T>> {
         self.prepare_producer_write()?;
-        self.tensor.as_slice_mut()
+        self.tensor_mut().as_slice_mut()
     }
 
     /// What a mutable access to a torch tensor's view needs (nothing for other producers):
@@ -121,14 +127,14 @@ impl TensorView<'_> {
         // SAFETY: the table's description, read at once: ndim entries each (checked).
         let same = match unsafe { crate::managed::dims_of(&now) } {
             Ok((shape, strides)) => {
-                let view = self.tensor.dl_tensor();
+                let view = self.dl_tensor();
                 now.data == view.data
                     && now.byte_offset == view.byte_offset
-                    && crate::DataType::from(now.dtype) == self.tensor.dtype()
-                    && shape == self.tensor.shape()
+                    && crate::DataType::from(now.dtype) == self.dtype()
+                    && shape == self.shape()
                     && strides.map_or_else(
-                        || crate::layout::c_strides(shape) == self.tensor.strides(),
-                        |s| s == self.tensor.strides(),
+                        || crate::layout::c_strides(shape) == self.strides(),
+                        |s| s == self.strides(),
                     )
             }
             Err(_) => false,
@@ -148,7 +154,7 @@ impl TensorView<'_> {
         &self,
     ) -> crate::Result<Option<(&'static crate::python::import::TorchState, Python<'_>)>> {
         // SAFETY: the block is owned by this view and alive until it drops.
-        let torch = self.borrow.and_then(|b| unsafe { b.as_ref() }.torch);
+        let torch = unsafe { self.block.as_ref() }.torch;
         let Some(state) = torch else { return Ok(None) };
         if !crate::python::runtime::attached_here() {
             return Err(crate::Error::WriteRefused {
@@ -165,14 +171,15 @@ impl TensorView<'_> {
     /// The tensor, mutably, for the typed guards (never handed out: a borrowed tensor moved out
     /// of its view would outlive the block it points into).
     pub(crate) fn tensor_mut(&mut self) -> &mut ManagedTensor {
-        &mut self.tensor
+        // SAFETY: as in `deref`, and `&mut self` is the only way to the block.
+        unsafe { (*self.block.as_ptr()).managed.as_mut().unwrap_unchecked() }
     }
 
     /// A mutable ndarray view (see [`ManagedTensor::as_array_mut`]).
     #[cfg(feature = "ndarray")]
     pub fn as_array_mut<T: crate::Element>(&mut self) -> crate::Result<crate::ndarray::ArrayGuardMut<'_, T>> {
         self.prepare_producer_write()?;
-        self.tensor.as_array_mut()
+        self.tensor_mut().as_array_mut()
     }
 }
 
@@ -346,9 +353,16 @@ impl<'a> TensorView<'a> {
         }
     }
 
+    /// The view of `tensor`, held in `block` (the block its `DLTensor` lives in), or in a block
+    /// of its own for an owned import (`None`).
     #[inline(always)]
-    fn with(tensor: ManagedTensor, borrow: Option<NonNull<Borrow>>, source: NonNull<ffi::PyObject>) -> Self {
-        Self { tensor, borrow, source, _source: PhantomData, _not_send: PhantomData }
+    fn with(tensor: ManagedTensor, block: Option<NonNull<Borrow>>, source: NonNull<ffi::PyObject>) -> Self {
+        // SAFETY: a live block from `Box::into_raw` (or made here), owned by the new view alone;
+        // its `managed` is `None` (a spare block), so nothing is dropped by the write.
+        let block = block.unwrap_or_else(|| unsafe { NonNull::new_unchecked(Box::into_raw(blank())) });
+        // SAFETY: as above.
+        unsafe { std::ptr::addr_of_mut!((*block.as_ptr()).managed).write(Some(tensor)) };
+        Self { block, source, _source: PhantomData, _not_send: PhantomData }
     }
 
     /// A numpy array's struct read into a block; `None` when a stride is not a multiple of the
@@ -407,23 +421,29 @@ impl<'a> TensorView<'a> {
             // The borrowed DLTensor cannot say read-only; dlbridge's own table refuses read-only
             // tensors there, and any refusal falls through to the owned import, which carries the
             // producer's flags (and its error, if it refuses too).
-            match api.dltensor(obj) {
-                Ok(Some(t)) if Device::from(t.device) == Device::CPU => {
-                    let mut b = blank();
-                    b.tensor = t;
+            let mut b = blank();
+            match api.dltensor_into(obj, &mut b.tensor) {
+                Ok(true) if Device::from(b.tensor.device) == Device::CPU => {
                     // SAFETY: the producer's description, read at once: ndim entries each (checked).
-                    match unsafe { crate::managed::dims_of(&t) } {
-                        Ok((shape, Some(strides))) => b.dims.set(shape, strides),
-                        Ok((shape, None)) => b.dims.set(shape, &crate::layout::c_strides(shape)),
-                        Err(e) => {
-                            recycle(b);
-                            return Err(e.into());
+                    let copied = match unsafe { crate::managed::dims_of(&b.tensor) } {
+                        Ok((shape, Some(strides))) => {
+                            b.dims.set(shape, strides);
+                            Ok(())
                         }
+                        Ok((shape, None)) => {
+                            b.dims.set(shape, &crate::layout::c_strides(shape));
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = copied {
+                        recycle(b);
+                        return Err(e.into());
                     }
                     b.torch = api.torch_state();
                     if b.torch.is_some() {
-                        // No Python has run since the table's description: the storage kept is the
-                        // one it describes.
+                        // No Python has run since the description: the storage kept is the one it
+                        // describes.
                         match crate::python::import::aten_bits_found(obj.py())
                             .and_then(|a| a.keep_memory(obj))
                         {
@@ -440,8 +460,9 @@ impl<'a> TensorView<'a> {
                     return Self::from_borrow(b, Flags::NONE, source, spec);
                 }
                 // Device memory needs stream handling: the protocol path below.
-                Ok(_) => {}
+                Ok(_) => recycle(b),
                 Err(_) => {
+                    recycle(b);
                     return Self::with(from_dlpack_with(obj, &ImportOptions::default())?, None, source)
                         .checked(spec);
                 }
@@ -492,14 +513,13 @@ impl<'a> TensorView<'a> {
 
 impl Drop for TensorView<'_> {
     fn drop(&mut self) {
-        // The borrowed ManagedTensor never dereferences its pointer when dropped, so the block can
-        // be released and recycled first.
-        if let Some(b) = self.borrow.take() {
-            // SAFETY: the block from `Box::into_raw` in `from_borrow`, owned by this view alone.
-            let mut b = unsafe { Box::from_raw(b.as_ptr()) };
-            release_kept(&mut b, self.source);
-            recycle(b);
-        }
+        // SAFETY: the block from `Box::into_raw`, owned by this view alone.
+        let mut b = unsafe { Box::from_raw(self.block.as_ptr()) };
+        // The tensor first (a borrowed one never dereferences its pointer when dropped; an owned
+        // import's export is released here), then the hold on the memory, then the block.
+        b.managed = None;
+        release_kept(&mut b, self.source);
+        recycle(b);
     }
 }
 
@@ -525,6 +545,7 @@ fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
 
 /// Releases what a block holds and keeps it for the next view (up to 8 spare blocks a thread).
 fn recycle(mut b: Box<Borrow>) {
+    b.managed = None;
     b.buffer = None;
     b.torch = None;
     b.kept = None;
@@ -549,6 +570,7 @@ fn blank() -> Box<Borrow> {
         return b;
     }
     Box::new(Borrow {
+        managed: None,
         tensor: DLTensor {
             data: std::ptr::null_mut(),
             device: Device::CPU.to_raw(),
