@@ -314,6 +314,8 @@ class Kernel:
         # under dynamo each name read on the way is a guard checked at every compiled call.
         self._compiling: Callable[[], bool] = _never_compiling
         self._overload: Any = None
+        # The autograd kernel of a native in-place op without a backward (kept alive here).
+        self._autograd_lib: Any = None
         self._jax_vjp: Any = None
         self._func: Any = None
         if "torch" in sys.modules:
@@ -767,6 +769,10 @@ class Kernel:
                 raise RuntimeError(self._no_backward_message())
 
             autograd_target.register_autograd(no_backward)
+        elif isinstance(autograd_target, _LibraryOp):
+            # A native in-place op without a backward refuses an argument that requires grad in
+            # grad mode, called directly too (the kernel's own call refuses before it).
+            self._autograd_lib = autograd_target.refuse_grad(lambda args: self._refuse_grad_in_place(args, {}))
         self._register_torch_vmap(torch, op)
         self._op = op
         _torch_seen(torch)
@@ -1117,6 +1123,27 @@ class _LibraryOp:
 
     def register_autograd(self, backward: Any, /, *, setup_context: Any = None) -> None:
         self.torch.library.register_autograd(self.qualname, backward, setup_context=setup_context)
+
+    def refuse_grad(self, refuse: Any) -> Any:
+        """An autograd kernel for an op that writes in place and has no backward (register_autograd
+        takes no mutating op): ``refuse(args)`` in grad mode, then the op below autograd. torch's
+        fallback ran such an op and lost the gradient silently: eagerly, the CPU kernel refuses
+        what it sees, but under torch.compile (AOTAutograd traces here) and torch.func (whose
+        transforms unwrap the tensors) only this kernel sees that an argument requires grad.
+        Returns the library, which must be kept alive (dropping it removes the kernel)."""
+        torch = self.torch
+        ns, name = self.qualname.split("::")
+        op = getattr(getattr(torch.ops, ns), name).default
+        below = torch._C._after_autograd_keyset
+
+        def autograd(keyset: Any, *args: Any) -> Any:
+            if torch.is_grad_enabled():
+                refuse(args)
+            return op.redispatch(keyset & below, *args)
+
+        lib = torch.library.Library(ns, "IMPL")
+        lib.impl(name, autograd, "Autograd", with_keyset=True)
+        return lib
 
 
 _FIRST_ORDER: Any = None

@@ -25,10 +25,14 @@ use crate::Real;
 /// `y = x * rstd * w` and `rstd` per row, rows of `w.len()` elements.
 fn forward_body<T: Real>(x: &[T], w: &[T], eps: f64, y: &mut [T], rstd: Option<&mut [T]>) {
     let cols = w.len();
+    let mut rstd = rstd;
     if cols == 0 {
+        // No columns: the mean of nothing is NaN (as torch's RMSNorm), and so is each rstd.
+        if let Some(s) = rstd.as_deref_mut() {
+            s.iter_mut().for_each(|v| *v = T::put(f64::NAN));
+        }
         return;
     }
-    let mut rstd = rstd;
     for (r, (xr, yr)) in x.chunks(cols).zip(y.chunks_mut(cols)).enumerate() {
         let ms = xr.iter().map(|v| v.get() * v.get()).sum::<f64>() / cols as f64;
         let inv = 1.0 / (ms + eps).sqrt();

@@ -123,10 +123,11 @@ def test_the_in_place_native_op_bumps_the_version_counter():
 def test_the_raw_in_place_op_refuses_an_argument_autograd_would_lose():
     # Called directly (not through the kernel, whose wrapper refuses it first), the op has no
     # autograd formula: torch's fallback ran it and y's gradient silently lost x's part (x.grad
-    # stayed None). Its CPU kernel refuses that, naming the argument; nothing is written.
+    # stayed None). Its autograd kernel refuses that, naming the argument (the CPU kernel refuses
+    # it too, behind: tests/torch_stable.rs); nothing is written.
     x = torch.ones(3, requires_grad=True)
     y = torch.ones(3, requires_grad=True) * 2
-    with pytest.raises(RuntimeError, match="argument 'x' requires grad in grad mode"):
+    with pytest.raises(RuntimeError, match="argument 'x' requires grad"):
         k.saxpy_._overload(2.0, x, y)
     torch.testing.assert_close(y.detach(), torch.full((3,), 2.0))
     # Outside grad mode, or detached, it runs; the kernel's own call refuses as before.
@@ -136,6 +137,21 @@ def test_the_raw_in_place_op_refuses_an_argument_autograd_would_lose():
     torch.testing.assert_close(y.detach(), torch.full((3,), 6.0))
     with pytest.raises(RuntimeError, match="requires grad"):
         k.saxpy_(2.0, x, y)
+    # Nor under torch.compile (AOTAutograd traces the op's autograd kernel) or torch.func (whose
+    # transforms hand the CPU kernel unwrapped tensors): x.grad was None, torch.func.grad zeros.
+    op = k.saxpy_._overload
+
+    def f(x, w):
+        y = w * 2
+        op(2.0, x, y)
+        return (y * y).sum()
+
+    x, w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with pytest.raises(Exception, match="requires grad"):
+        torch.compile(f, fullgraph=True)(x, w).backward()
+    assert x.grad is None
+    with pytest.raises(Exception, match="requires grad"):
+        torch.func.grad(f)(torch.ones(3), torch.ones(3))
     # A kernel with a backward still differentiates (its formula runs the op with grad mode off).
     s = torch.randn(2, 4, requires_grad=True)
     k.softmax(s).sum().backward()

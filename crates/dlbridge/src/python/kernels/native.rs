@@ -93,7 +93,7 @@ impl NativeDecl {
         }
         let several = vec![ArgKind::Tensor; self.results.len()];
         let (rets, out): (&[ArgKind], _) = if !self.results.is_empty() {
-            (&several, Some(OutRule::Dyn(self.results_rule(name, &attrs, params))))
+            (&several, Some(OutRule::Dyn(self.results_rule(&attrs, params))))
         } else if self.mutates.is_empty() {
             let like = self.out.as_deref().ok_or_else(|| invalid("no output rule (out)".into()))?;
             let i = params
@@ -132,12 +132,10 @@ impl NativeDecl {
     /// same [`result_shapes`] jax and the Python op use.
     fn results_rule(
         &self,
-        name: &str,
         attrs: &[(&str, AttrType)],
         params: &[String],
     ) -> &'static crate::torch_stable::xla::DynOutRule {
         let results = self.results.clone();
-        let kernel = name.to_owned();
         // (name, signature index, type) of each scalar argument.
         let scalars: Vec<(String, usize, AttrType)> = attrs
             .iter()
@@ -173,12 +171,13 @@ impl NativeDecl {
                 };
                 let mut out = Vec::with_capacity(results.len());
                 for r in &results {
-                    let shape = result_shape(&kernel, r, shapes, &a)?;
+                    // (torch's error carries the op's name: the rule's names the result.)
+                    let shape = result_shape(r, shapes, &a)?;
                     let dtype = match r.dtype {
                         Ok(k) => infos
                             .get(k)
                             .map(|t| t.dtype)
-                            .ok_or_else(|| format!("{kernel}: result {}: no tensor argument {k}", r.name))?,
+                            .ok_or_else(|| format!("result {}: no tensor argument {k}", r.name))?,
                         Err(d) => d,
                     };
                     out.push(TensorInfo { dtype, shape });

@@ -211,25 +211,25 @@ pub(super) fn result_shapes(
     shapes: &[&[i64]],
     attrs: &Attrs<'_>,
 ) -> Result<Vec<Vec<i64>>, String> {
-    results.iter().map(|r| result_shape(kernel, r, shapes, attrs)).collect()
+    results.iter().map(|r| result_shape(r, shapes, attrs).map_err(|e| format!("{kernel}: {e}"))).collect()
 }
 
-/// One result's shape by its rule (see [`result_shapes`]).
-pub(super) fn result_shape(
-    kernel: &str,
-    r: &Resolved,
-    shapes: &[&[i64]],
-    attrs: &Attrs<'_>,
-) -> Result<Vec<i64>, String> {
+/// One result's shape by its rule (see [`result_shapes`]); an error names the result (the caller
+/// names the kernel: the native op's errors carry its name already).
+pub(super) fn result_shape(r: &Resolved, shapes: &[&[i64]], attrs: &Attrs<'_>) -> Result<Vec<i64>, String> {
     let shape = match r.shape {
-        Ok(k) => shapes
-            .get(k)
-            .ok_or_else(|| format!("{kernel}: result {}: no tensor argument {k}", r.name))?
-            .to_vec(),
-        Err(f) => f(shapes, attrs).map_err(|e| format!("{kernel}: result {}: {e}", r.name))?,
+        Ok(k) => shapes.get(k).ok_or_else(|| format!("result {}: no tensor argument {k}", r.name))?.to_vec(),
+        Err(f) => f(shapes, attrs).map_err(|e| format!("result {}: {e}", r.name))?,
     };
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
-        return Err(format!("{kernel}: result {}: the shape rule gave extent {d} in {shape:?}", r.name));
+        return Err(format!("result {}: the shape rule gave extent {d} in {shape:?}", r.name));
+    }
+    // XLA aborts the process on an element count past i64 (and no allocation could hold one).
+    if shape.iter().try_fold(1i64, |n, &d| n.checked_mul(d)).is_none() {
+        return Err(format!(
+            "result {}: the shape rule gave {shape:?}, whose element count overflows a 64-bit integer",
+            r.name
+        ));
     }
     Ok(shape)
 }
@@ -248,6 +248,18 @@ mod tests {
 
     fn params(p: &[&str]) -> Vec<String> {
         p.iter().map(|&p| p.to_owned()).collect()
+    }
+
+    fn huge(_: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+        Ok(vec![i64::MAX / 2, 4])
+    }
+
+    #[test]
+    fn a_rule_whose_element_count_overflows_is_refused_naming_the_result() {
+        let results = [ResultDef::rule("big", huge, ResultDType::Is(DataType::INT32))];
+        let resolved = resolve("k", &params(&["x"]), &[], &results).unwrap();
+        let e = result_shapes("k", &resolved, &[&[2, 3]], &Attrs::new()).unwrap_err();
+        assert!(e.contains("result big") && e.contains("overflows"), "{e}");
     }
 
     #[test]
