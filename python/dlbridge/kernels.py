@@ -18,13 +18,27 @@ Gradients are right or refused, never silently wrong. ``backward`` names the gra
 ``(kernel, args, grads)``, where ``args`` are names among the parameters, ``"out"`` (the result) and
 ``"grad"`` (the result's cotangent), and ``grads`` the tensor parameters the backward kernel
 returns gradients for (one result, or a tuple in that order); or any callable
-``backward(named: dict) -> dict`` mapping parameter names to gradients. ``jax.grad`` uses it
-through ``jax.custom_vjp``, torch autograd through ``torch.library.register_autograd``. A kernel
-without one is refused by both: jax raises that the FFI call cannot be differentiated; torch
-raises at backward (``no autograd formula``), as for its own custom ops, and an in-place kernel
-called with an argument that requires grad (in grad mode) is refused at the call, since autograd
-cannot record the write; a torch dual tensor (forward-mode AD) is refused, since a kernel has no
-forward-mode derivative. A backward is differentiable again when it is made of differentiable
+``backward(named: dict) -> dict`` mapping parameter names to gradients. torch autograd uses it
+through ``torch.library.register_autograd``, ``jax.grad`` as the transpose of the kernel's tangent
+(below). A kernel without one is refused by both: jax raises that the FFI call cannot be
+differentiated (or, for a kernel with a jvp, that it names no backward); torch raises at backward
+(``no autograd formula``), as for its own custom ops, and an in-place kernel called with an
+argument that requires grad (in grad mode) is refused at the call, since autograd cannot record
+the write.
+
+Forward mode: ``jvp`` names the result's tangent: ``(kernel, args)``, ``args`` among the
+parameters, ``"out"`` and ``"tangent_<parameter>"`` (each tensor parameter's tangent, zeros where
+none), the kernel returning the tangent; or a callable ``jvp(named: dict) -> tangent``. It must be
+linear in the tangents. torch's forward AD (dual tensors, ``torch.func.jvp``, ``jacfwd``) calls it
+through the kernel's ``autograd.Function`` (its ``jvp``); a kernel without one refuses a dual
+tensor, which the eager function would drop. In jax a kernel with a backward or a jvp is a
+``jax.custom_jvp`` whose tangent is one linear primitive (``_linear_call``): forward mode runs the
+jvp, reverse mode its transpose, the backward; each missing one is refused, naming it. Second
+order: ``jax.hessian`` and ``torch.func.hessian`` (forward over reverse) where the backward kernel
+names a jvp, forward over forward where the jvp kernel does; "first order only" otherwise. A jvp
+is for a kernel with one result that writes no argument.
+
+A backward is differentiable again (reverse over reverse) when it is made of differentiable
 operations (torch ops, or kernels with a backward of their own); where it is not (a kernel
 without a backward, a plain function), double backward (``create_graph=True``,
 ``gradgradcheck``) raises that the gradient is first order only.
@@ -192,6 +206,7 @@ class Kernel:
         results: Sequence[str] | None = None,
         residuals: Sequence[str] = (),
         result_rule: Callable[..., Sequence[tuple[Sequence[int], str]]] | None = None,
+        jvp: Any = None,
     ) -> None:
         self._fn = fn
         for what, given in (("name", name), ("namespace", namespace)):
@@ -304,10 +319,14 @@ class Kernel:
                 # Its refusal of a double backward then names this kernel (first order only).
                 bk._grad_of.append(str(self.__name__))
         self._backward = backward
+        self._jvp = self._declare_jvp(jvp)
         self.__doc__ = self._help(getattr(fn, "__doc__", None))
         self.__signature__ = self._signature()
-        # The kernels this one is the named backward of.
+        # The kernels this one is the named backward, or the named jvp, of.
         self._grad_of: list[str] = []
+        self._jvp_of: list[str] = []
+        if jvp is not None and not callable(jvp) and isinstance(jvp[0], Kernel):
+            jvp[0]._jvp_of.append(str(self.__name__))
         self._vmap_method = vmap_method
         self._op: Any = None
         # torch.compiler.is_compiling once torch is there: an attribute of the instance, since
@@ -316,7 +335,7 @@ class Kernel:
         self._overload: Any = None
         # The autograd kernel of a native in-place op without a backward (kept alive here).
         self._autograd_lib: Any = None
-        self._jax_vjp: Any = None
+        self._jax_ad: Any = None
         self._func: Any = None
         if "torch" in sys.modules:
             self._make_torch_op(sys.modules["torch"])
@@ -338,6 +357,37 @@ class Kernel:
             # a kernel with one result pays nothing for this): one, or a tuple of several.
             self._pick = _picker(self._visible)
             self.__class__ = _SeveralResults
+
+    def _declare_jvp(self, jvp: Any) -> Any:
+        """The forward-mode rule, checked: ``(kernel, args)`` (``args`` names among the tensor
+        parameters, ``"out"`` and ``"tangent_<parameter>"``) or a callable ``jvp(named) -> tangent``."""
+        if jvp is None:
+            return None
+        name = self.__name__
+        if self._results:
+            raise ValueError(
+                f"kernel {name}: jvp= with results=: a forward-mode rule is for a kernel with one result "
+                "(out=); declare the jvp of each result as its own kernel"
+            )
+        if self._mutates:
+            raise ValueError(f"kernel {name}: jvp= with mutates=: an in-place kernel has no derivative")
+        if callable(jvp):
+            return jvp
+        try:
+            jk, jargs = jvp
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"kernel {name}: jvp={jvp!r}: give (kernel, args) or a callable jvp(named) -> tangent"
+            ) from None
+        tensors = [self._params[i] for i in self._tensor_idx]
+        known = {"out", *tensors, *self._attrs, *[f"tangent_{n}" for n in tensors]}
+        for n in jargs:
+            if n not in known:
+                raise ValueError(
+                    f"kernel {name}: jvp argument {n!r} is unknown (a parameter, 'out', or "
+                    f"'tangent_<tensor parameter>': {', '.join(f'tangent_{t}' for t in tensors)})"
+                )
+        return (jk, tuple(jargs))
 
     def _declare_results(
         self, out: Any, results: Sequence[str], residuals: Sequence[str], rule: Any
@@ -464,6 +514,13 @@ class Kernel:
                 f"Backward: {getattr(bk, '__name__', bk)!s}({', '.join(bargs)}) gives the gradient of "
                 f"{', '.join(bgrads)}."
             )
+        jv = self._jvp
+        if jv is None:
+            lines.append("No jvp: forward-mode derivatives through it are refused.")
+        elif callable(jv):
+            lines.append(f"Jvp: {getattr(jv, '__name__', jv)!s}.")
+        else:
+            lines.append(f"Jvp: {getattr(jv[0], '__name__', jv[0])!s}({', '.join(jv[1])}) gives the tangent of the result.")
         return "\n".join(lines)
 
     @property
@@ -555,8 +612,11 @@ class Kernel:
         # cut off from autograd, a gradient silently wrong.
         if route & 8 and _grad_enabled():
             return self._torch_call(self._bind(args, kwargs))
-        if _forward_ad._current_level >= 0:
-            self._refuse_dual_tensors(args, kwargs)
+        if _forward_ad._current_level >= 0 and (_functorch_level() is not None or self._has_tangent(args, kwargs)):
+            # A dual tensor (forward-mode AD; torch.func.jvp, jacfwd): the kernel's jvp, through
+            # its autograd.Function, or the refusal of a kernel without one (the eager function
+            # would drop the tangent).
+            return self._torch_call(self._bind(args, kwargs))
         try:
             return self._fn(*args, **kwargs)
         except BufferError:
@@ -581,17 +641,31 @@ class Kernel:
                     f'&[("{n}", "{t}")], .. }}), or pass a tensor'
                 )
 
-    def _refuse_dual_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Inside a forward-AD dual level, a tensor with a tangent is refused: a kernel has no
-        forward-mode derivative, and the eager function would drop the tangent silently (torch's
-        own custom op does)."""
-        unpack = _forward_ad.unpack_dual
+    def _has_tangent(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+        """Inside a forward-AD dual level: whether a tensor argument carries a tangent."""
+        return any(self._tangent_of(a) for a in [*args, *kwargs.values()])
+
+    @staticmethod
+    def _tangent_of(a: Any) -> bool:
+        """Whether ``a`` is a torch tensor with a tangent (one that cannot say, a tensor batched
+        by torch.func.vmap, counts as one: refused rather than dropped)."""
+        if not _ROUTE.get(type(a), 0) & 6:
+            return False
+        try:
+            return _forward_ad.unpack_dual(a).tangent is not None
+        except RuntimeError:
+            return True
+
+    def _refuse_dual_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Inside a forward-AD dual level, a tensor with a tangent is refused by a kernel without a
+        jvp: the eager function would drop the tangent silently (torch's own custom op does)."""
         for n, a in [*zip(self._params, args), *kwargs.items()]:
-            if _ROUTE.get(type(a), 0) & 6 and unpack(a).tangent is not None:
+            if self._tangent_of(a):
                 raise RuntimeError(
-                    f"{self.__name__}: argument {n!r} is a dual tensor (forward-mode AD), but a kernel "
-                    "has no forward-mode derivative, so its tangent would be dropped: differentiate in "
-                    "reverse mode (backward, torch.autograd.grad), or pass the primal "
+                    f"{self.__name__}: argument {n!r} is a dual tensor (forward-mode AD), but the kernel "
+                    "names no jvp (no forward-mode derivative), so its tangent would be dropped: give it "
+                    "one (dlbridge.kernels.kernel(..., jvp=...), KernelDef's jvp), differentiate in reverse "
+                    "mode (backward, torch.autograd.grad), or pass the primal "
                     "(torch.autograd.forward_ad.unpack_dual(x).primal)"
                 )
 
@@ -626,6 +700,32 @@ class Kernel:
             return {bgrads[0]: res}
         return dict(zip(bgrads, res, strict=True))
 
+    def _run_jvp(self, named: dict[str, Any]) -> Any:
+        """The result's tangent from the primals, ``out`` and each ``tangent_<parameter>``."""
+        jv = self._jvp
+        if callable(jv):
+            return jv(named)
+        jk, jargs = jv
+        return jk(*[named[n] for n in jargs])
+
+    def _no_jvp_message(self) -> str:
+        """Why forward-mode AD cannot go through this kernel, and what to add."""
+        name = self.__name__
+        of = ""
+        if self._grad_of or self._jvp_of:
+            roles = [f"the backward of {k}" for k in self._grad_of] + [f"the jvp of {k}" for k in self._jvp_of]
+            of = (
+                f"; {name} is {' and '.join(roles)}, so the derivatives of "
+                f"{', '.join([*self._grad_of, *self._jvp_of])} are first order only there (hessian, "
+                "jacfwd of a gradient, a jvp of a jvp)"
+            )
+        return (
+            f"{name}: no forward-mode derivative (jvp): the kernel names no jvp, so forward-mode AD "
+            f"(torch.func.jvp, jacfwd, hessian, forward_ad dual tensors; jax.jvp, jacfwd, hessian) cannot "
+            f"go through it{of}: give {name} a jvp (dlbridge.kernels.kernel(..., jvp=...), KernelDef's jvp), "
+            "or differentiate in reverse mode"
+        )
+
     # --- torch ---
 
     def _sync_torch(self) -> None:
@@ -640,15 +740,20 @@ class Kernel:
                 "(or any kernel) once after importing torch, before torch.compile traces it"
             )
         try:
+            forward_ad = _forward_ad._current_level >= 0
+            if forward_ad and self._jvp is None and (self._mutated_idx is not None or _functorch_level() is None):
+                # (Under torch.func, the autograd.Function's jvp refuses it, in the same terms.)
+                self._refuse_dual_tensors(vals, {})
             if self._mutated_idx is not None:
                 if _grad_enabled():
                     self._refuse_grad_in_place(vals, {})
                 op(*vals)
                 return vals[self._mutated_idx]
-            if _functorch_level() is not None:
+            if forward_ad or _functorch_level() is not None:
                 # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
                 # without setup_context, which torch.func refuses; this one has it (and the op's
-                # vmap rule underneath).
+                # vmap rule underneath). Forward-mode AD (dual tensors, torch.func.jvp, jacfwd):
+                # its jvp, which a custom op cannot have.
                 if self._func is None:
                     self._func = self._make_func(sys.modules["torch"])
                 return self._func.apply(*vals)
@@ -869,6 +974,29 @@ class Kernel:
             def backward(ctx: Any, *grads: Any) -> Any:
                 raise RuntimeError(self._no_backward_message())
 
+        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        setup_backward = setup_context
+        if self._jvp is not None:
+
+            def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+                setup_backward(ctx, inputs, output)
+                ctx.save_for_forward(*[inputs[i] for i in tensor_idx], output)
+                ctx.dlbridge_jvp_attrs = {params[i]: inputs[i] for i in attr_idx}
+
+            def jvp(ctx: Any, *tangents: Any) -> Any:
+                saved = ctx.saved_tensors
+                named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, saved[:-1], strict=True)}
+                named["out"] = saved[-1].contiguous()
+                for i, t in zip(tensor_idx, saved[:-1], strict=True):
+                    d = tangents[i]
+                    named[f"tangent_{params[i]}"] = torch.zeros_like(t) if d is None else d.contiguous()
+                named.update(ctx.dlbridge_jvp_attrs)
+                return self._run_jvp(named)
+        else:
+
+            def jvp(ctx: Any, *tangents: Any) -> Any:
+                raise RuntimeError(self._no_jvp_message())
+
         return type(
             f"{self._op_name}_function",
             (torch.autograd.Function,),
@@ -877,6 +1005,7 @@ class Kernel:
                 "forward": staticmethod(lambda *vals: overload(*vals)),
                 "setup_context": staticmethod(setup_context),
                 "backward": staticmethod(backward),
+                "jvp": staticmethod(jvp),
             },
         )
 
@@ -1002,11 +1131,11 @@ class Kernel:
         for t in tensors:
             if isinstance(t, (bool, int, float, complex)):
                 self._refuse_numbers_for_tensors(vals, {})
-        if self._backward is None:
+        if self._backward is None and self._jvp is None:
             return self._jax_ffi(jax, attrs, tensors)
-        if self._jax_vjp is None:
-            self._jax_vjp = self._make_jax_vjp(jax)
-        return self._jax_vjp(attrs, *tensors)
+        if self._jax_ad is None:
+            self._jax_ad = self._make_jax_ad(jax)
+        return self._jax_ad(attrs, *tensors)
 
     def _register_jax_target(self, jax: Any) -> None:
         if self._target not in _JAX_TARGETS:
@@ -1036,32 +1165,78 @@ class Kernel:
         )
         return call(*tensors, **dict(attrs))
 
-    def _make_jax_vjp(self, jax: Any) -> Any:
+    def _make_jax_ad(self, jax: Any) -> Any:
+        """The kernel as a ``jax.custom_jvp`` whose tangent is a linear call (``_linear_call``):
+        forward mode evaluates the kernel's jvp, reverse mode transposes the call into the kernel's
+        backward. So ``jax.jvp``/``jacfwd`` need a jvp, ``jax.grad``/``vjp``/``jacrev`` a
+        backward, and ``hessian`` (forward over reverse) a backward that has a jvp of its own;
+        each missing one is refused in these terms when it is needed, never a silent zero."""
         names = [self._params[i] for i in self._tensor_idx]
+        several = bool(self._results)
+        n = len(names)
+        jnp = jax.numpy
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+        @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
         def f(attrs: tuple[tuple[str, Any], ...], *tensors: Any) -> Any:
             return self._jax_ffi(jax, attrs, tensors)
 
-        def fwd(attrs: tuple[tuple[str, Any], ...], *tensors: Any) -> Any:
-            out = self._jax_ffi(jax, attrs, tensors)
-            return out, (tensors, out)
+        def f_jvp(attrs: tuple[tuple[str, Any], ...], primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+            # Through f itself: primals that carry an outer transform's tangent (hessian's
+            # jacfwd around jacrev) differentiate it again.
+            out = f(attrs, *primals)
+            outs = tuple(out) if several else (out,)
 
-        def bwd(attrs: tuple[tuple[str, Any], ...], res: Any, g: Any) -> tuple[Any, ...]:
-            tensors, out = res
-            named = dict(zip(names, tensors, strict=True))
-            named.update(attrs)
-            if self._results:
-                self._named_results(named, out, g)
-            else:
-                named["out"] = out
-                named["grad"] = g
-            grads = self._run_backward(named)
-            zeros = jax.numpy.zeros_like
-            return tuple(grads[n] if n in grads else zeros(t) for n, t in zip(names, tensors, strict=True))
+            def tangent(res: tuple[Any, ...], lin: tuple[Any, ...]) -> tuple[Any, ...]:
+                if self._jvp is None:
+                    raise TypeError(self._no_jvp_message())
+                named = dict(zip(names, res[:n], strict=True))
+                named.update(attrs)
+                named["out"] = res[n]
+                for p, t in zip(names, lin, strict=True):
+                    named[f"tangent_{p}"] = t
+                return (jnp.asarray(self._run_jvp(named)),)
 
-        f.defvjp(fwd, bwd)
+            def cotangent(res: tuple[Any, ...], cts: tuple[Any, ...]) -> tuple[Any, ...]:
+                if self._backward is None:
+                    raise TypeError(self._no_jax_backward_message())
+                tensors, outs = res[:n], res[n:]
+                named = dict(zip(names, tensors, strict=True))
+                named.update(attrs)
+                if several:
+                    self._named_results(named, outs, cts)
+                else:
+                    named["out"] = outs[0]
+                    named["grad"] = cts[0]
+                grads = self._run_backward(named)
+                return tuple(
+                    jnp.asarray(grads[p]) if p in grads else jnp.zeros_like(t)
+                    for p, t in zip(names, tensors, strict=True)
+                )
+
+            jv = self._jvp
+            tangent.callee = jv[0] if isinstance(jv, tuple) else None  # type: ignore[attr-defined]
+            bw = self._backward
+            cotangent.callee = bw[0] if isinstance(bw, tuple) else None  # type: ignore[attr-defined]
+            tans = _linear_call(jax, tangent, cotangent, (*primals, *outs), tuple(tangents), outs, primals)
+            return out, (tuple(tans) if several else tans[0])
+
+        f.defjvp(f_jvp)
         return f
+
+    def _no_jax_backward_message(self) -> str:
+        name = self.__name__
+        of = ""
+        if self._grad_of or self._jvp_of:
+            roles = [f"the backward of {k}" for k in self._grad_of] + [f"the jvp of {k}" for k in self._jvp_of]
+            of = (
+                f"; {name} is {' and '.join(roles)}, so the derivatives of "
+                f"{', '.join([*self._grad_of, *self._jvp_of])} are first order only in reverse mode"
+            )
+        return (
+            f"{name}: no backward: the kernel names a jvp only, so reverse-mode AD (jax.grad, vjp, "
+            f"jacrev, a gradient of a gradient) cannot go through it{of}: give {name} a backward "
+            "(dlbridge.kernels.kernel(..., backward=...), add_kernel's backward)"
+        )
 
 
 def _picker(visible: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
@@ -1167,13 +1342,137 @@ def _first_order_function(torch: Any) -> Any:
             @staticmethod
             def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
                 ctx.message = inputs[0]
+                ctx.save_for_forward(inputs[1])
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
                 raise RuntimeError(ctx.message)
 
+            @staticmethod
+            def jvp(ctx: Any, message: Any, g_t: Any, *inputs_t: Any) -> Any:
+                # Forward mode over the backward (hessian): the gradient's own tangent, which the
+                # kernels that made it computed (their jvp); none while an input has one: refused.
+                if g_t is None:
+                    if any(t is not None for t in inputs_t):
+                        raise RuntimeError(ctx.message)
+                    return torch.zeros_like(ctx.saved_tensors[0])
+                return g_t
+
         _FIRST_ORDER = FirstOrderOnly
     return _FIRST_ORDER
+
+
+_LINEAR: Any = None
+
+
+def _aval(jax: Any, x: Any) -> Any:
+    return jax.core.ShapedArray(tuple(x.shape), x.dtype)
+
+
+def _linear_call(
+    jax: Any,
+    fn: Callable[..., Any],
+    fn_t: Callable[..., Any],
+    res: tuple[Any, ...],
+    lin: tuple[Any, ...],
+    like_out: Sequence[Any],
+    like_lin: Sequence[Any],
+) -> Any:
+    """``fn(res, lin)``, a function linear in ``lin`` (the kernel's jvp), as a jax primitive
+    whose transpose is ``fn_t(res, cts)`` (the kernel's backward) and the other way round, so one
+    tangent rule serves forward and reverse mode. Its own jvp is linear in ``lin``; the part in
+    ``res`` (second order) differentiates ``fn`` as jax does any function, which asks the kernel
+    it calls for that kernel's jvp (refused, first order only, where it has none). Batched by
+    mapping ``fn`` and ``fn_t`` (the kernels' own vmap rules underneath). (jax's
+    ``linear_call`` has no batching rule, and a ``custom_vjp`` in a tangent cannot be transposed.)"""
+    return _linear_primitive(jax).bind(
+        *res,
+        *lin,
+        fn=fn,
+        fn_t=fn_t,
+        n_res=len(res),
+        out_avals=tuple(_aval(jax, o) for o in like_out),
+        lin_avals=tuple(_aval(jax, t) for t in like_lin),
+    )
+
+
+def _linear_primitive(jax: Any) -> Any:
+    global _LINEAR
+    if _LINEAR is not None:
+        return _LINEAR
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive("dlbridge_linear_call")
+    prim.multiple_results = True
+
+    def impl(*args: Any, fn: Any, fn_t: Any, n_res: int, out_avals: Any, lin_avals: Any) -> Any:
+        return tuple(fn(tuple(args[:n_res]), tuple(args[n_res:])))
+
+    def abstract(*args: Any, out_avals: Any, **params: Any) -> Any:
+        return list(out_avals)
+
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any], *, fn: Any, fn_t: Any, n_res: int, out_avals: Any, lin_avals: Any) -> Any:
+        res, lin = tuple(primals[:n_res]), tuple(primals[n_res:])
+        dres, dlin = tangents[:n_res], tangents[n_res:]
+        params = dict(fn=fn, fn_t=fn_t, n_res=n_res, out_avals=out_avals, lin_avals=lin_avals)
+        out = prim.bind(*primals, **params)
+        tan = list(prim.bind(*res, *[ad.instantiate_zeros(t) for t in dlin], **params))
+        if any(type(t) is not ad.Zero for t in dres):
+            # Second order: fn's derivative in its residuals, through the kernel it calls.
+            callee = getattr(fn, "callee", None)
+            if isinstance(callee, Kernel) and callee._jvp is None:
+                raise TypeError(callee._no_jvp_message())
+            dres = tuple(ad.instantiate_zeros(t) for t in dres)
+            _, more = jax.jvp(lambda *r: tuple(fn(tuple(r), lin)), res, dres)
+            tan = [a + b for a, b in zip(tan, more, strict=True)]
+        return out, tan
+
+    def transpose(cts: Sequence[Any], *args: Any, fn: Any, fn_t: Any, n_res: int, out_avals: Any, lin_avals: Any) -> Any:
+        res = args[:n_res]
+        cts = [ad.instantiate_zeros(c) for c in cts]
+        got = prim.bind(*res, *cts, fn=fn_t, fn_t=fn, n_res=n_res, out_avals=lin_avals, lin_avals=out_avals)
+        return [None] * n_res + list(got)
+
+    def batch(args: Sequence[Any], dims: Sequence[Any], *, fn: Any, fn_t: Any, n_res: int, out_avals: Any, lin_avals: Any) -> Any:
+        jnp = jax.numpy
+        size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+        args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True)]
+        res_axes = tuple(None if d is None else 0 for d in dims[:n_res])
+        lin = tuple(
+            jnp.broadcast_to(a, (size, *a.shape)) if d is None else a
+            for a, d in zip(args[n_res:], dims[n_res:], strict=True)
+        )
+
+        def mapped(f: Any) -> Any:
+            def g(r: tuple[Any, ...], x: tuple[Any, ...]) -> Any:
+                return jax.vmap(f, in_axes=(res_axes, 0))(r, x)
+
+            g.callee = getattr(f, "callee", None)  # type: ignore[attr-defined]
+            return g
+
+        def widen(avals: Any) -> tuple[Any, ...]:
+            return tuple(jax.core.ShapedArray((size, *a.shape), a.dtype) for a in avals)
+
+        out = prim.bind(
+            *args[:n_res],
+            *lin,
+            fn=mapped(fn),
+            fn_t=mapped(fn_t),
+            n_res=n_res,
+            out_avals=widen(out_avals),
+            lin_avals=widen(lin_avals),
+        )
+        return out, [0] * len(out)
+
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transpose
+    batching.primitive_batchers[prim] = batch
+    _LINEAR = prim
+    return prim
 
 
 def _never_compiling() -> bool:
@@ -1285,6 +1584,7 @@ def kernel(
     results: Sequence[str] | None = None,
     residuals: Sequence[str] = (),
     result_rule: Callable[..., Sequence[tuple[Sequence[int], str]]] | None = None,
+    jvp: Any = None,
 ) -> Any:
     """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only). ``name``
     and ``namespace`` name its ops, ``torch.ops.<namespace>.<name>`` and the XLA FFI target
@@ -1305,6 +1605,7 @@ def kernel(
             results=results,
             residuals=residuals,
             result_rule=result_rule,
+            jvp=jvp,
         )
 
     return wrap if fn is None else wrap(fn)

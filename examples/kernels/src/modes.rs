@@ -57,6 +57,40 @@ pub(crate) fn softmax_backward_body<T: Real>(y: &[T], g: &[T], out: &mut [T], co
     });
 }
 
+/// Softmax's Jacobian-vector product: `out = y * (t - sum(t * y))` row by row, `y` the softmax
+/// and `t` the tangent of its argument. Softmax's Jacobian, `diag(y) - y yᵀ`, is symmetric, so
+/// the jvp is the backward's formula with the tangent for the cotangent.
+pub(crate) fn softmax_jvp_body<T: Real>(y: &[T], t: &[T], out: &mut [T], cols: usize) {
+    softmax_backward_body(y, t, out, cols);
+}
+
+/// The jvp of `b(y, g) = y * (g - sum(g * y))` (softmax's backward, and its jvp, the same
+/// function): `out = dy * (g - s) + y * (dg - ds)` row by row, with `s = sum(g * y)` and
+/// `ds = sum(dg * y + g * dy)`.
+pub(crate) fn softmax_backward_jvp_body<T: Real>(
+    y: &[T],
+    g: &[T],
+    dy: &[T],
+    dg: &[T],
+    out: &mut [T],
+    cols: usize,
+) {
+    if cols == 0 {
+        return;
+    }
+    let rows = y.par_chunks(cols).zip(g.par_chunks(cols)).zip(dy.par_chunks(cols).zip(dg.par_chunks(cols)));
+    out.par_chunks_mut(cols).zip(rows).for_each(|(o, ((y, g), (dy, dg)))| {
+        let (mut s, mut ds) = (0.0, 0.0);
+        for i in 0..y.len() {
+            s += g[i].get() * y[i].get();
+            ds += dg[i].get() * y[i].get() + g[i].get() * dy[i].get();
+        }
+        for i in 0..o.len() {
+            o[i] = T::put(dy[i].get() * (g[i].get() - s) + y[i].get() * (dg[i].get() - ds));
+        }
+    });
+}
+
 /// Layer normalisation over the last axis (of 2-d `x` and `out`, 1-d `w` and `b`, any strides):
 /// `(x - mean) / sqrt(var + eps) * w + b`.
 pub(crate) fn layer_norm_body<T: Real>(
@@ -87,36 +121,106 @@ fn softmax_backward<'py>(
     y: TensorView<'_>,
     g: TensorView<'_>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    match y.dtype() {
-        DataType::FLOAT32 => softmax_backward_typed::<f32>(py, y, g),
-        DataType::FLOAT64 => softmax_backward_typed::<f64>(py, y, g),
-        DataType::BFLOAT16 => softmax_backward_typed::<bf16>(py, y, g),
+    rows_of::<2>(py, Rows::Backward, ["y", "g"], [y, g])
+}
+
+/// Softmax's jvp: `y * (t - sum(t * y, axis=-1))` for a softmax `y` and the tangent `t` of its
+/// argument (2-d C-contiguous, one dtype: float32, float64 or bfloat16), as a new array of y's
+/// framework.
+#[pyfunction]
+fn softmax_jvp<'py>(py: Python<'py>, y: TensorView<'_>, t: TensorView<'_>) -> PyResult<Bound<'py, PyAny>> {
+    rows_of::<2>(py, Rows::Jvp, ["y", "t"], [y, t])
+}
+
+/// The jvp of softmax's backward `y * (g - sum(g * y))` (and of softmax's jvp, the same function)
+/// at `(y, g)` for tangents `(dy, dg)` (2-d C-contiguous, one shape and dtype), as a new array of
+/// y's framework: what makes softmax twice differentiable in forward over reverse mode
+/// (`jax.hessian`, `torch.func.hessian`) and forward over forward.
+#[pyfunction]
+fn softmax_backward_jvp<'py>(
+    py: Python<'py>,
+    y: TensorView<'_>,
+    g: TensorView<'_>,
+    dy: TensorView<'_>,
+    dg: TensorView<'_>,
+) -> PyResult<Bound<'py, PyAny>> {
+    rows_of::<4>(py, Rows::BackwardJvp, ["y", "g", "dy", "dg"], [y, g, dy, dg])
+}
+
+/// Which of softmax's derivatives [`rows_of`] computes.
+#[derive(Clone, Copy)]
+enum Rows {
+    /// `softmax_backward(y, g)`.
+    Backward,
+    /// `softmax_jvp(y, t)`.
+    Jvp,
+    /// `softmax_backward_jvp(y, g, dy, dg)`.
+    BackwardJvp,
+}
+
+impl Rows {
+    fn name(self) -> &'static str {
+        match self {
+            Rows::Backward => "softmax_backward",
+            Rows::Jvp => "softmax_jvp",
+            Rows::BackwardJvp => "softmax_backward_jvp",
+        }
+    }
+}
+
+/// One of softmax's derivatives (`kind`) over `N` 2-d C-contiguous arrays of one shape and dtype
+/// (float32, float64 or bfloat16), as a new array of the first one's framework.
+fn rows_of<'py, const N: usize>(
+    py: Python<'py>,
+    kind: Rows,
+    names: [&str; N],
+    args: [TensorView<'_>; N],
+) -> PyResult<Bound<'py, PyAny>> {
+    match args[0].dtype() {
+        DataType::FLOAT32 => rows_typed::<f32, N>(py, kind, names, args),
+        DataType::FLOAT64 => rows_typed::<f64, N>(py, kind, names, args),
+        DataType::BFLOAT16 => rows_typed::<bf16, N>(py, kind, names, args),
         other => Err(PyTypeError::new_err(format!(
-            "softmax_backward: y: expected float32, float64 or bfloat16, got {other}"
+            "{}: {}: expected float32, float64 or bfloat16, got {other}",
+            kind.name(),
+            names[0]
         ))),
     }
 }
 
-fn softmax_backward_typed<'py, T: Real>(
+fn rows_typed<'py, T: Real, const N: usize>(
     py: Python<'py>,
-    y: TensorView<'_>,
-    g: TensorView<'_>,
+    kind: Rows,
+    names: [&str; N],
+    args: [TensorView<'_>; N],
 ) -> PyResult<Bound<'py, PyAny>> {
-    let y = y.typed::<T, Rank<2>, C, Cpu>().map_err(|e| argument_error("y", e))?;
-    let g = g.typed::<T, Rank<2>, C, Cpu>().map_err(|e| argument_error("g", e))?;
-    if y.shape() != g.shape() {
-        return Err(PyValueError::new_err(format!(
-            "softmax_backward: y and g have shapes {:?} and {:?}",
-            y.shape(),
-            g.shape()
-        )));
+    let mut typed = Vec::with_capacity(N);
+    for (a, n) in args.into_iter().zip(names) {
+        typed.push(a.typed::<T, Rank<2>, C, Cpu>().map_err(|e| argument_error(n, e))?);
     }
-    let cols = y.shape()[1] as usize;
-    let mut out = y.empty_like::<T>(py)?;
+    for (t, n) in typed.iter().zip(names).skip(1) {
+        if t.shape() != typed[0].shape() {
+            return Err(PyValueError::new_err(format!(
+                "{}: {} and {n} have shapes {:?} and {:?}",
+                kind.name(),
+                names[0],
+                typed[0].shape(),
+                t.shape()
+            )));
+        }
+    }
+    let cols = typed[0].shape()[1] as usize;
+    let mut out = typed[0].empty_like::<T>(py)?;
     {
-        let (ys, gs) = (y.as_slice()?, g.as_slice()?);
+        let slices = typed.iter().map(|t| t.as_slice()).collect::<Result<Vec<_>, _>>()?;
         let mut os = out.as_slice_mut()?;
-        py.detach(|| softmax_backward_body(&ys, &gs, &mut os, cols));
+        let s: Vec<&[T]> = slices.iter().map(|s| &**s).collect();
+        py.detach(|| match (kind, s.as_slice()) {
+            (Rows::Backward, [y, g]) => softmax_backward_body(y, g, &mut os, cols),
+            (Rows::Jvp, [y, t]) => softmax_jvp_body(y, t, &mut os, cols),
+            (Rows::BackwardJvp, [y, g, dy, dg]) => softmax_backward_jvp_body(y, g, dy, dg, &mut os, cols),
+            _ => unreachable!("each kind is called with its number of arrays"),
+        });
     }
     out.into_object(py)
 }
@@ -219,6 +323,55 @@ fn softmax_backward_ffi<T: Real>(call: &Call<'_>) -> Result<()> {
 }
 
 dlbridge::xla_handler! {
+    /// `softmax_jvp` inside `jax.jit`.
+    pub(crate) fn softmax_jvp_xla(call, operands: 2, results: 1) {
+        match call.input_any(0, "y")?.dtype() {
+            DataType::FLOAT32 => rows_ffi::<f32, 2>(call, Rows::Jvp, ["y", "t"]),
+            DataType::FLOAT64 => rows_ffi::<f64, 2>(call, Rows::Jvp, ["y", "t"]),
+            DataType::BFLOAT16 => rows_ffi::<bf16, 2>(call, Rows::Jvp, ["y", "t"]),
+            other => Err(unsupported("y", other, "float32, float64 or bfloat16")),
+        }
+    }
+}
+
+dlbridge::xla_handler! {
+    /// `softmax_backward_jvp` inside `jax.jit`.
+    pub(crate) fn softmax_backward_jvp_xla(call, operands: 4, results: 1) {
+        let names = ["y", "g", "dy", "dg"];
+        match call.input_any(0, "y")?.dtype() {
+            DataType::FLOAT32 => rows_ffi::<f32, 4>(call, Rows::BackwardJvp, names),
+            DataType::FLOAT64 => rows_ffi::<f64, 4>(call, Rows::BackwardJvp, names),
+            DataType::BFLOAT16 => rows_ffi::<bf16, 4>(call, Rows::BackwardJvp, names),
+            other => Err(unsupported("y", other, "float32, float64 or bfloat16")),
+        }
+    }
+}
+
+/// [`rows_of`] inside `jax.jit`: operands `0..N` of one shape, result 0 of that shape.
+fn rows_ffi<T: Real, const N: usize>(call: &Call<'_>, kind: Rows, names: [&'static str; N]) -> Result<()> {
+    let mut inputs = Vec::with_capacity(N);
+    for (i, n) in names.iter().enumerate() {
+        inputs.push(call.input::<T, Rank<2>>(i, n)?);
+    }
+    let mut out = call.output::<T, Rank<2>>(0, "out")?;
+    for (t, n) in inputs.iter().zip(names).skip(1) {
+        same_shape(&format!("{} and {n}", names[0]), inputs[0].shape(), t.shape())?;
+    }
+    same_shape(&format!("{} and out", names[0]), inputs[0].shape(), out.shape())?;
+    let cols = inputs[0].shape()[1] as usize;
+    let slices = inputs.iter().map(|t| t.as_slice()).collect::<Result<Vec<_>>>()?;
+    let s: Vec<&[T]> = slices.iter().map(|s| &**s).collect();
+    let mut os = out.as_slice_mut()?;
+    match (kind, s.as_slice()) {
+        (Rows::Backward, [y, g]) => softmax_backward_body(y, g, &mut os, cols),
+        (Rows::Jvp, [y, t]) => softmax_jvp_body(y, t, &mut os, cols),
+        (Rows::BackwardJvp, [y, g, dy, dg]) => softmax_backward_jvp_body(y, g, dy, dg, &mut os, cols),
+        _ => return Err(FfiError::invalid_argument(format!("{}: wrong number of operands", kind.name()))),
+    }
+    Ok(())
+}
+
+dlbridge::xla_handler! {
     /// `layer_norm` inside `jax.jit` (float32 or float64).
     pub(crate) fn layer_norm_xla(call, operands: 3, results: 1, attrs: ["eps"]) {
         let eps: f64 = call.attr("eps")?;
@@ -261,7 +414,8 @@ fn layer_norm_ffi<T: Real>(call: &Call<'_>, eps: f64) -> Result<()> {
 
 /// Replaces the module's eager functions by `dlbridge.kernels.Kernel`s of the same name (they call
 /// the eager function on arrays, the handler inside `jax.jit`, a torch custom op inside
-/// `torch.compile`), and adds `softmax_backward`, softmax's backward.
+/// `torch.compile`), and adds softmax's derivatives: `softmax_backward`, `softmax_jvp` and
+/// `softmax_backward_jvp`.
 pub(crate) fn add_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     let f = |name: &str| m.getattr(name);
@@ -287,17 +441,50 @@ pub(crate) fn add_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
         },
         None,
     )?;
+    // softmax's derivatives, each a kernel: its backward and its jvp (the tangent of its result),
+    // and the jvp of those two, which makes softmax twice differentiable (hessian: forward over
+    // reverse; jacfwd of jacfwd). The backward names no backward: double backward is refused.
+    let second = add_kernel(
+        m,
+        wrap_pyfunction!(softmax_backward_jvp, m)?.into_any(),
+        &KernelDef { out: Some("y"), ffi: Some(softmax_backward_jvp_xla), ..KernelDef::default() },
+        None,
+    )?;
+    let backward_jvp = (&second, ("y", "g", "tangent_y", "tangent_g")).into_pyobject(py)?.into_any();
     let backward = add_kernel(
         m,
         wrap_pyfunction!(softmax_backward, m)?.into_any(),
-        &KernelDef { out: Some("y"), ffi: Some(softmax_backward_xla), ..KernelDef::default() },
+        &KernelDef {
+            out: Some("y"),
+            ffi: Some(softmax_backward_xla),
+            jvp: Some(&backward_jvp),
+            ..KernelDef::default()
+        },
+        None,
+    )?;
+    let jvp_jvp = (&second, ("y", "t", "tangent_y", "tangent_t")).into_pyobject(py)?.into_any();
+    let jvp = add_kernel(
+        m,
+        wrap_pyfunction!(softmax_jvp, m)?.into_any(),
+        &KernelDef {
+            out: Some("y"),
+            ffi: Some(softmax_jvp_xla),
+            jvp: Some(&jvp_jvp),
+            ..KernelDef::default()
+        },
         None,
     )?;
     let softmax_grad = (backward, ("out", "grad"), ("x",)).into_pyobject(py)?.into_any();
+    let softmax_jvp_rule = (jvp, ("out", "tangent_x")).into_pyobject(py)?.into_any();
     add_kernel(
         m,
         f("softmax")?,
-        &KernelDef { out: Some("x"), ffi: Some(softmax_xla), ..KernelDef::default() },
+        &KernelDef {
+            out: Some("x"),
+            ffi: Some(softmax_xla),
+            jvp: Some(&softmax_jvp_rule),
+            ..KernelDef::default()
+        },
         Some(softmax_grad),
     )?;
     add_kernel(

@@ -234,26 +234,28 @@ def test_compiled_double_backward_is_refused_as_torch_refuses_its_own():
             (g**2).sum().backward()
 
 
-def test_forward_mode_ad_is_refused_not_dropped():
+def test_forward_mode_ad_without_a_jvp_is_refused_not_dropped():
     # A dual tensor's tangent was dropped silently (the result had none), as torch's own custom
-    # op without a jvp drops it; a kernel has no forward-mode derivative, so it refuses.
+    # op without a jvp drops it; a kernel that names no jvp refuses it (softmax names one:
+    # test_forward_mode.py).
     import torch.autograd.forward_ad as fwAD
 
     x, z, m = f64(4), f64(4, seed=1), f64(2, 4, seed=2)
+    w, b = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
     with fwAD.dual_level():
         d = fwAD.make_dual(x, torch.ones(4, dtype=torch.float64))
-        with pytest.raises(RuntimeError, match=r"saxpy: argument 'x' is a dual tensor \(forward-mode AD\)"):
+        with pytest.raises(RuntimeError, match=r"saxpy: argument 'x' is a dual tensor \(forward-mode AD\).* names no jvp"):
             K.saxpy(2.0, d, z)
         dm = fwAD.make_dual(m, torch.ones(2, 4, dtype=torch.float64))
-        with pytest.raises(RuntimeError, match=r"softmax: argument 'x' is a dual tensor"):
-            K.softmax(dm)
-        # requiring grad too: the op's autograd.Function, which torch refuses under forward AD
+        with pytest.raises(RuntimeError, match=r"layer_norm: argument 'x' is a dual tensor"):
+            K.layer_norm(dm, w, b)
+        # requiring grad too: refused in the same words (was torch's NotImplementedError "jvp")
         dr = fwAD.make_dual(m.clone().requires_grad_(), torch.ones(2, 4, dtype=torch.float64))
-        with pytest.raises(NotImplementedError, match="jvp"):
-            K.softmax(dr)
+        with pytest.raises(RuntimeError, match=r"layer_norm: argument 'x' is a dual tensor"):
+            K.layer_norm(dr, w, b)
         # a tensor without a tangent, inside the level: the kernel, as usual
         torch.testing.assert_close(K.softmax(m), torch.softmax(m, -1))
-    with pytest.raises(RuntimeError, match=r"saxpy: argument 'x' is a dual tensor"):
+    with pytest.raises(RuntimeError, match=r"saxpy: no forward-mode derivative \(jvp\): the kernel names no jvp"):
         torch.func.jvp(lambda x: K.saxpy(2.0, x, z), (x,), (torch.ones(4, dtype=torch.float64),))
 
 
@@ -273,7 +275,7 @@ def test_jax_grad_of_a_kernel_without_a_backward_raises_not_zeros():
                 grad(x)
 
 
-def test_jax_grad_of_softmax_equals_jnp_and_its_second_order_raises():
+def test_jax_grad_of_softmax_equals_jnp_and_reverse_over_reverse_raises():
     x = np.random.default_rng(3).standard_normal((3, 4))
     w = np.arange(4.0)
 
@@ -284,8 +286,8 @@ def test_jax_grad_of_softmax_equals_jnp_and_its_second_order_raises():
     np.testing.assert_allclose(
         jax.jit(jax.grad(loss(K.softmax)))(x), jax.grad(loss(jax.nn.softmax))(x), rtol=1e-10, atol=1e-12
     )
-    # second order: the backward's FFI call has no derivative, and jax says so
-    with pytest.raises(ValueError, match="cannot be differentiated"):
-        jax.hessian(loss(K.softmax))(x)
-    with pytest.raises(ValueError, match="cannot be differentiated"):
+    # second order: forward over reverse through the kernels' jvps (test_forward_mode.py);
+    # reverse over reverse needs a backward of softmax's backward, which names none
+    np.testing.assert_allclose(jax.hessian(loss(K.softmax))(x), jax.hessian(loss(jax.nn.softmax))(x), rtol=1e-9, atol=1e-12)
+    with pytest.raises(TypeError, match="softmax_backward: no backward.* softmax are first order only"):
         jax.grad(lambda x: jnp.sum(jax.grad(loss(K.softmax))(x) ** 2))(x)

@@ -68,6 +68,14 @@ pub struct KernelDef<'a> {
     pub ffi: Option<XLA_FFI_Handler>,
     /// `jax.vmap`'s method for the FFI call (`"sequential"`, `"broadcast_all"`, ...).
     pub vmap_method: &'a str,
+    /// The forward-mode rule (`jvp=` of `dlbridge.kernels.kernel`): a `(kernel, args)` tuple,
+    /// `args` named among the parameters, `"out"` and `"tangent_<parameter>"`, whose kernel
+    /// returns the result's tangent, linear in the tangents; or a callable
+    /// `jvp(named: dict) -> tangent`. With it `jax.jvp`/`jacfwd` and torch's forward AD
+    /// (`torch.func.jvp`, `jacfwd`, dual tensors) work, and with a backward whose kernel has a
+    /// jvp of its own, `jax.hessian` and `torch.func.hessian`. `None`: forward mode is refused.
+    /// For a kernel with one result (`out`), not `mutates`.
+    pub jvp: Option<&'a Bound<'a, PyAny>>,
 }
 
 impl Default for KernelDef<'_> {
@@ -81,6 +89,7 @@ impl Default for KernelDef<'_> {
             mutates: &[],
             ffi: None,
             vmap_method: "sequential",
+            jvp: None,
         }
     }
 }
@@ -203,6 +212,7 @@ pub fn add_kernel<'py>(
         kw.set_item("ffi", xla_capsule(py, h)?)?;
     }
     kw.set_item("backward", backward)?;
+    kw.set_item("jvp", def.jvp)?;
     kw.set_item("vmap_method", def.vmap_method)?;
     kw.set_item("name", def.name)?;
     kw.set_item("namespace", def.namespace)?;
