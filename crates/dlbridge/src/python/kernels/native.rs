@@ -141,7 +141,8 @@ impl NativeDecl {
             .iter()
             .filter_map(|&(n, t)| params.iter().position(|p| p == n).map(|i| (n.to_owned(), i, t)))
             .collect();
-        Box::leak(Box::new(
+        // Kept for the process (the op is), reachable, as the op's names are.
+        crate::torch_stable::keep::<crate::torch_stable::xla::DynOutRule>(Box::new(
             move |infos: &[TensorInfo],
                   args: &crate::torch_stable::Args|
                   -> Result<Vec<TensorInfo>, crate::torch_stable::KernelError> {
