@@ -57,6 +57,7 @@ fn setup() -> Option<&'static Torch> {
         register_kernel::<Empty>(t, NS, &["CPU", "Meta"]).unwrap();
         dlbridge::torch_stable::xla::register::<Saxpy>(t, NS).unwrap();
         dlbridge::torch_stable::xla::register::<SaxpyInPlace>(t, NS).unwrap();
+        dlbridge::torch_stable::xla::register::<Sum8>(t, NS).unwrap();
     });
     Some(t)
 }
@@ -385,6 +386,63 @@ impl NativeOp for SaxpyInPlace {
     };
 }
 
+dlbridge::xla_handler! {
+    /// `out = k * (a + b + ... + h)` and `twice = 2 * out`: more operands and arguments than the
+    /// adapter's small frame and inline argument slots hold.
+    fn sum8_xla(call, operands: 8, results: 2, attrs: ["k"]) {
+        let k: f64 = call.attr("k")?;
+        let names = ["a", "b", "c", "d", "e", "f", "g", "h"];
+        let mut sum = vec![0f32; call.input::<f32, Rank<1>>(0, "a")?.as_slice()?.len()];
+        for (i, name) in names.into_iter().enumerate() {
+            let x = call.input::<f32, Rank<1>>(i, name)?;
+            for (s, x) in sum.iter_mut().zip(x.as_slice()?.iter()) {
+                *s += x;
+            }
+        }
+        let mut out = call.output::<f32, Rank<1>>(0, "out")?;
+        for (o, s) in out.as_slice_mut()?.iter_mut().zip(&sum) {
+            *o = k as f32 * s;
+        }
+        let mut twice = call.output::<f32, Rank<1>>(1, "twice")?;
+        for (o, s) in twice.as_slice_mut()?.iter_mut().zip(&sum) {
+            *o = 2.0 * k as f32 * s;
+        }
+        Ok(())
+    }
+}
+
+/// Two results like argument `a` (an output rule of its own, not `Like`).
+fn sum8_rule(
+    tensors: &[dlbridge::torch_stable::xla::TensorInfo],
+    _args: &Args,
+) -> Result<Vec<dlbridge::torch_stable::xla::TensorInfo>, KernelError> {
+    Ok(vec![tensors[0].clone(), tensors[0].clone()])
+}
+
+struct Sum8;
+impl NativeOp for Sum8 {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new(
+            "sum8",
+            &[
+                ("a", ArgKind::Tensor),
+                ("b", ArgKind::Tensor),
+                ("c", ArgKind::Tensor),
+                ("d", ArgKind::Tensor),
+                ("e", ArgKind::Tensor),
+                ("f", ArgKind::Tensor),
+                ("g", ArgKind::Tensor),
+                ("h", ArgKind::Tensor),
+                ("k", ArgKind::Float),
+            ],
+            &[ArgKind::Tensor, ArgKind::Tensor],
+        ),
+        attrs: &[("k", AttrType::F64)],
+        out: Some(OutRule::Fn(sum8_rule)),
+        handler: sum8_xla,
+    };
+}
+
 fn filled(t: &'static Torch, v: &[f32]) -> Tensor {
     let x = t.empty(&[v.len() as i64], DataType::FLOAT32, TorchDevice::CPU).unwrap();
     // SAFETY: a fresh contiguous float32 CPU tensor of v.len() elements, written before any read.
@@ -421,6 +479,24 @@ fn an_xla_handler_runs_as_the_ops_cpu_kernel() {
     let m = t.empty(&[6], DataType::FLOAT32, TorchDevice::META).unwrap();
     let out = one(call(&m, &m, 1.0).unwrap());
     assert_eq!((out.sizes().unwrap(), out.device().unwrap().kind), (vec![6], DeviceKind::Meta));
+}
+
+#[test]
+fn an_op_with_more_arguments_than_the_small_frame_runs_the_same_handler() {
+    // 8 tensors and a scalar: the adapter's large frame and heap-held arguments (9 > 8 slots).
+    let Some(t) = setup() else { return };
+    let xs: Vec<Tensor> = (0..8).map(|i| filled(t, &[i as f32, 10.0 * i as f32])).collect();
+    let mut args: Vec<Value> = xs.iter().map(|x| Value::Tensor(x.new_handle().unwrap())).collect();
+    args.push(Value::Float(0.5));
+    // SAFETY: the arguments and results have the op's schema types.
+    let outs =
+        unsafe { t.call("dlbridge_test::sum8", "", args, &[ArgKind::Tensor, ArgKind::Tensor]) }.unwrap();
+    let f = |v: &Value| match v {
+        Value::Tensor(t) => f32s(t),
+        other => panic!("not a tensor: {other:?}"),
+    };
+    // sum of 0..8 = 28: [28, 280] * 0.5, and twice that.
+    assert_eq!(outs.iter().map(f).collect::<Vec<_>>(), [vec![14.0, 140.0], vec![28.0, 280.0]]);
 }
 
 /// `wide[::2]`: `aten::slice` takes optional arguments, so this is `aten::unfold(x, 0, 1, 2)`

@@ -72,29 +72,72 @@ impl From<crate::xla::FfiError> for KernelError {
     }
 }
 
+/// A kernel's argument or result values: inline for the usual op (no allocation per call),
+/// on the heap past [`Slots::INLINE`].
+enum Slots {
+    Inline { len: usize, items: [Option<Value>; Slots::INLINE] },
+    Heap(Vec<Option<Value>>),
+}
+
+impl fmt::Debug for Slots {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.get()).finish()
+    }
+}
+
+impl Slots {
+    const INLINE: usize = 8;
+
+    /// `n` empty slots.
+    fn new(n: usize) -> Self {
+        if n <= Self::INLINE {
+            Self::Inline { len: n, items: [const { None }; Self::INLINE] }
+        } else {
+            Self::Heap((0..n).map(|_| None).collect())
+        }
+    }
+
+    fn get(&self) -> &[Option<Value>] {
+        match self {
+            Self::Inline { len, items } => &items[..*len],
+            Self::Heap(v) => v,
+        }
+    }
+
+    fn get_mut(&mut self) -> &mut [Option<Value>] {
+        match self {
+            Self::Inline { len, items } => &mut items[..*len],
+            Self::Heap(v) => v,
+        }
+    }
+}
+
 /// A kernel's arguments, taken off torch's stack (owned: dropped tensors are deleted once).
 #[derive(Debug)]
 pub struct Args {
     sig: &'static [(&'static str, ArgKind)],
-    values: Vec<Option<Value>>,
+    values: Slots,
 }
 
 impl Args {
     /// The number of arguments.
     pub fn len(&self) -> usize {
-        self.values.len()
+        self.values.get().len()
     }
 
     /// Whether the op takes no arguments.
     pub fn is_empty(&self) -> bool {
-        self.values.is_empty()
+        self.values.get().is_empty()
     }
 
     fn get(&self, i: usize, want: &str) -> Result<&Value, KernelError> {
-        match self.values.get(i) {
+        match self.values.get().get(i) {
             Some(Some(v)) => Ok(v),
             Some(None) => Err(KernelError(format!("argument {}: already taken", self.sig[i].0))),
-            None => Err(KernelError(format!("no argument {i} ({want}); the op takes {}", self.values.len()))),
+            None => Err(KernelError(format!(
+                "no argument {i} ({want}); the op takes {}",
+                self.values.get().len()
+            ))),
         }
     }
 
@@ -114,7 +157,7 @@ impl Args {
     /// Tensor argument `i`, taken (to return it as an output without a new handle).
     pub fn take_tensor(&mut self, i: usize) -> Result<Tensor, KernelError> {
         self.tensor(i)?;
-        match self.values[i].take() {
+        match self.values.get_mut()[i].take() {
             Some(Value::Tensor(t)) => Ok(t),
             _ => unreachable!("checked just above"),
         }
@@ -158,7 +201,7 @@ impl Args {
 #[derive(Debug)]
 pub struct Outputs {
     kinds: &'static [ArgKind],
-    values: Vec<Option<Value>>,
+    values: Slots,
 }
 
 impl Outputs {
@@ -177,7 +220,7 @@ impl Outputs {
         if !ok {
             return Err(KernelError(format!("output {i}: a {}, not a {kind:?}", value.kind_name())));
         }
-        self.values[i] = Some(value);
+        self.values.get_mut()[i] = Some(value);
         Ok(())
     }
 }
@@ -212,8 +255,7 @@ pub unsafe fn run_boxed<F>(
     let run = || -> Result<(), KernelError> {
         // SAFETY: the caller's contract.
         let mut args = unsafe { take_args(torch, stack, num_args, num_outputs, signature) }?;
-        let mut outs =
-            Outputs { kinds: signature.rets(), values: (0..signature.rets().len()).map(|_| None).collect() };
+        let mut outs = Outputs { kinds: signature.rets(), values: Slots::new(signature.rets().len()) };
         body(&mut args, &mut outs)?;
         drop(args);
         // SAFETY: the stack has room for num_outputs == rets.len() entries (checked in take_args).
@@ -293,7 +335,7 @@ unsafe fn take_args(
     if stack.is_null() && (num_args > 0 || num_outputs > 0) {
         return Err(KernelError("a NULL stack".into()));
     }
-    let mut values = Vec::with_capacity(sig.args().len());
+    let mut values = Slots::new(sig.args().len());
     let mut first_error: Option<KernelError> = None;
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
         // SAFETY: entry i < num_args of torch's stack.
@@ -322,7 +364,7 @@ unsafe fn take_args(
                 }
             },
         };
-        values.push(v);
+        values.get_mut()[i] = v;
     }
     // Every owning argument is now held (and freed by the drop) before any error returns.
     match first_error {
@@ -371,11 +413,12 @@ unsafe fn take_string(torch: &Torch, h: StringHandle) -> Result<String> {
 ///
 /// `stack` has room for `outs.kinds.len()` entries.
 unsafe fn put_outputs(stack: *mut StableIValue, outs: Outputs) -> Result<(), KernelError> {
-    if let Some(i) = outs.values.iter().position(Option::is_none) {
+    let mut outs = outs;
+    if let Some(i) = outs.values.get().iter().position(Option::is_none) {
         return Err(KernelError(format!("output {i} was not set")));
     }
-    for (i, v) in outs.values.into_iter().enumerate() {
-        let raw = match v.expect("checked above") {
+    for (i, v) in outs.values.get_mut().iter_mut().enumerate() {
+        let raw = match v.take().expect("checked above") {
             Value::Tensor(t) => t.into_raw() as usize as u64,
             Value::Int(v) => v as u64,
             Value::Float(v) => v.to_bits(),

@@ -224,6 +224,11 @@ impl Tensor {
         Ok(TorchDevice { kind, index: get!(self, aoti_torch_get_device_index, i32) })
     }
 
+    /// The device's kind (one call into torch; [`device`](Self::device) also reads the index).
+    pub fn device_kind(&self) -> Result<DeviceKind> {
+        Ok(self.torch.device_kind(get!(self, aoti_torch_get_device_type, i32)))
+    }
+
     /// Whether the tensor is C-contiguous.
     pub fn is_contiguous(&self) -> Result<bool> {
         Ok(get!(self, aoti_torch_is_contiguous, bool))

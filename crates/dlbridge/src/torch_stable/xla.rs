@@ -467,28 +467,51 @@ fn too_many(op: &XlaOp, what: &str, n: usize) -> KernelError {
     KernelError(format!("{}: {n} {what} (at most {MAX_FRAME_ITEMS})", op.signature.name()))
 }
 
-/// The XLA buffer over `t` (host memory, C-contiguous, its dtype `dtype`).
-fn buffer_of(t: &Tensor, dtype: DataType, what: &str) -> Result<XLA_FFI_Buffer, KernelError> {
+/// The XLA buffer over `data`: `dims` extents of `dtype`, C-contiguous host memory.
+fn buffer(
+    data: *mut c_void,
+    dtype: DataType,
+    dims: &[i64],
+    what: &str,
+) -> Result<XLA_FFI_Buffer, KernelError> {
     let x =
         xla_dtype(dtype).ok_or_else(|| KernelError(format!("{what}: {dtype} has no XLA element type")))?;
-    // SAFETY: the tensor is held through the call (a kernel's argument or a tensor made here), and
-    // by torch's rule nothing changes an op's arguments' metadata during the call (a concurrent
-    // `resize_` would be a data race inside torch itself); the frame only reads the extents.
-    let dims = unsafe { t.sizes_borrowed() }?;
     Ok(XLA_FFI_Buffer {
         struct_size: XLA_FFI_Buffer_STRUCT_SIZE,
         extension_start: null_mut(),
         dtype: x,
-        data: t.data_ptr()?,
+        data,
         rank: dims.len() as i64,
         dims: dims.as_ptr().cast_mut(),
     })
 }
 
+/// The frame's capacity for an op of at most this many tensor arguments, scalar arguments and
+/// results: the usual op fills a quarter of the stack [`MAX_FRAME_ITEMS`] would.
+const SMALL_FRAME_ITEMS: usize = 4;
+
 fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
+    let sig = &op.signature;
+    let (mut tensors, mut mutated) = (0, 0);
+    for &(_, kind) in sig.args() {
+        tensors += matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) as usize;
+        mutated += (kind == ArgKind::TensorMut) as usize;
+    }
+    let scalars = sig.args().len() - tensors;
+    // One body, two capacities (validate() bounds every count by MAX_FRAME_ITEMS; the fresh
+    // results are at most the signature's results).
+    const S: usize = SMALL_FRAME_ITEMS;
+    if tensors <= S && scalars <= S && sig.rets().len() + mutated <= S {
+        call_handler_in::<S>(op, args, outs)
+    } else {
+        call_handler_in::<MAX_FRAME_ITEMS>(op, args, outs)
+    }
+}
+
+/// [`call_handler`] with a frame of `N` items of each kind, on the stack.
+fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
     let torch = args_torch(args)?;
     let sig = &op.signature;
-    const N: usize = MAX_FRAME_ITEMS;
     // Operands: every tensor argument, C-contiguous on the CPU.
     let mut operands: [Option<Operand<'_>>; N] = std::array::from_fn(|_| None);
     let mut dtypes = [DataType::BOOL; N];
@@ -503,8 +526,8 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
             return Err(too_many(op, "tensor arguments", n_ops + 1));
         }
         let t = args.tensor(i)?;
-        let device = t.device()?;
-        if device.kind != super::DeviceKind::Cpu {
+        let device = t.device_kind()?;
+        if device != super::DeviceKind::Cpu {
             return Err(KernelError(format!("{name}: a {device:?} tensor (this kernel runs on the CPU)")));
         }
         let operand = if t.is_contiguous()? {
@@ -514,6 +537,9 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
             Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
         };
         if kind == ArgKind::TensorMut {
+            if n_aliased == N {
+                return Err(too_many(op, "results", n_aliased + 1));
+            }
             aliased[n_aliased] = n_ops;
             n_aliased += 1;
         }
@@ -549,9 +575,22 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
         }
     }
     let operand = |k: usize| operands[k].as_ref().expect("the first n_ops are set").tensor();
-    // Fresh results from the output rule.
+    // The operands' buffers, each operand's extents read once (borrowed from torch).
+    let mut arg_bufs = [NO_BUFFER; N];
+    let mut dims: [&[i64]; N] = [&[]; N];
+    for k in 0..n_ops {
+        // SAFETY: the operand is held through the call (an argument, or a copy made here), and by
+        // torch's rule nothing changes an op's arguments' metadata during the call (a concurrent
+        // `resize_` would be a data race inside torch itself); the frame only reads the extents.
+        dims[k] = unsafe { operand(k).sizes_borrowed() }?;
+        arg_bufs[k] = buffer(operand(k).data_ptr()?, dtypes[k], dims[k], names[k])?;
+    }
+    // Fresh results from the output rule, and their buffers: a result's extents are the rule's
+    // (the operand's own for `Like`, the rule's vectors otherwise, alive through the call).
     let mut fresh: [Option<Tensor>; N] = std::array::from_fn(|_| None);
+    let mut ret_bufs = [NO_BUFFER; N];
     let mut n_fresh = 0;
+    let made: Vec<TensorInfo>;
     match op.out {
         None => {}
         Some(OutRule::Like(i)) => {
@@ -560,20 +599,22 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
                 .iter()
                 .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
                 .count();
-            // SAFETY: the operand is held through the call, its metadata unchanged.
-            let shape = unsafe { operand(k).sizes_borrowed() }?;
-            fresh[0] = Some(torch.empty(shape, dtypes[k], TorchDevice::CPU)?);
+            let t = torch.empty(dims[k], dtypes[k], TorchDevice::CPU)?;
+            ret_bufs[0] = buffer(t.data_ptr()?, dtypes[k], dims[k], "result")?;
+            fresh[0] = Some(t);
             n_fresh = 1;
         }
         Some(OutRule::Fn(_) | OutRule::Dyn(_)) => {
-            let infos: Vec<TensorInfo> = (0..n_ops)
-                .map(|k| Ok(TensorInfo { dtype: dtypes[k], shape: operand(k).sizes()? }))
-                .collect::<Result<_, Error>>()?;
-            for o in output_infos(op, &infos, args)? {
+            let infos: Vec<TensorInfo> =
+                (0..n_ops).map(|k| TensorInfo { dtype: dtypes[k], shape: dims[k].to_vec() }).collect();
+            made = output_infos(op, &infos, args)?;
+            for o in &made {
                 if n_fresh == N {
                     return Err(too_many(op, "results", n_fresh + 1));
                 }
-                fresh[n_fresh] = Some(torch.empty(&o.shape, o.dtype, TorchDevice::CPU)?);
+                let t = torch.empty(&o.shape, o.dtype, TorchDevice::CPU)?;
+                ret_bufs[n_fresh] = buffer(t.data_ptr()?, o.dtype, &o.shape, "result")?;
+                fresh[n_fresh] = Some(t);
                 n_fresh += 1;
             }
         }
@@ -581,18 +622,10 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     if n_fresh + n_aliased > N {
         return Err(too_many(op, "results", n_fresh + n_aliased));
     }
-    // The frame's buffers: operands, then fresh results, then the aliased operands again.
-    let mut arg_bufs = [NO_BUFFER; N];
-    for k in 0..n_ops {
-        arg_bufs[k] = buffer_of(operand(k), dtypes[k], names[k])?;
-    }
-    let mut ret_bufs = [NO_BUFFER; N];
-    for (k, t) in fresh[..n_fresh].iter().enumerate() {
-        let t = t.as_ref().expect("the first n_fresh are set");
-        ret_bufs[k] = buffer_of(t, t.dtype()?, "result")?;
-    }
+    // Then the aliased operands again.
     for (j, &k) in aliased[..n_aliased].iter().enumerate() {
-        ret_bufs[n_fresh + j] = buffer_of(operand(k), dtypes[k], names[k])?;
+        // The same buffer (every field a plain copy): the handler sees the alias by its address.
+        ret_bufs[n_fresh + j] = XLA_FFI_Buffer { ..arg_bufs[k] };
     }
     let n_rets = n_fresh + n_aliased;
     // Attributes: every scalar argument, as the handler reads it.
