@@ -1278,12 +1278,20 @@ class _SeveralResults(Kernel):
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether an argument is a torch.func transform's wrapped tensor (batched, grad-tracking)."""
+    """Whether an argument is a torch.func transform's wrapped tensor (batched, grad-tracking),
+    or the legacy vmap's batched tensor (``torch._vmap_internals``, which ``gradcheck``'s
+    ``check_batched_grad`` uses): the op takes both, the legacy one through torch's per-example
+    fallback."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(isinstance(a, torch.Tensor) and wrapped(a) for a in [*args, *kwargs.values()])
+    functorch = torch._C._functorch
+    wrapped = functorch.is_functorch_wrapped_tensor
+    legacy = getattr(functorch, "is_legacy_batchedtensor", None)
+    return any(
+        isinstance(a, torch.Tensor) and (wrapped(a) or (legacy is not None and legacy(a)))
+        for a in [*args, *kwargs.values()]
+    )
 
 
 class _LibraryOp:

@@ -99,3 +99,14 @@ def test_opcheck_passes_on_every_op():
     for k, args in cases:
         result = torch.library.opcheck(k.torch_op, args)
         assert set(result.values()) == {"SUCCESS"}, (k, result)
+
+
+def test_gradcheck_with_batched_grad():
+    """gradcheck's check_batched_grad differentiates through torch's legacy vmap
+    (torch._vmap_internals), whose batched tensors are not torch.func's: the kernel's op takes them
+    too (torch's per-example fallback), so the batched gradients equal the unbatched ones. (Before:
+    BufferError "Batching rule not implemented for aten::is_pinned" from the backward kernel.)"""
+    x = f64(3, 4).requires_grad_()
+    assert torch.autograd.gradcheck(K.softmax, (x,), check_batched_grad=True)
+    w = f64(4, seed=6).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: K.rms_norm(a, b, 1e-6), (x, w), check_batched_grad=True)
