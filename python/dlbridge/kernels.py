@@ -523,7 +523,10 @@ class Kernel:
 
     def _all_results(self, outs: Any) -> tuple[Any, ...]:
         """``outs``, what the function returned, if it is a tuple of every declared result (else a
-        clear error: indexing a single array would silently give its rows)."""
+        clear error: indexing a single array would silently give its rows). A kernel declaring one
+        result may return it alone: torch's op does (a schema ``-> (Tensor)`` returns a Tensor)."""
+        if len(self._results) == 1 and type(outs) is not tuple:
+            return (outs,)
         if type(outs) is not tuple or len(outs) != len(self._results):
             got = f"a tuple of {len(outs)}" if type(outs) is tuple else type(outs).__name__
             raise TypeError(
@@ -931,7 +934,9 @@ class Kernel:
         if self._results:
 
             def impl(*vals: Any) -> Any:
-                return self._all_results(fn(*vals))
+                outs = self._all_results(fn(*vals))
+                # One result: the op returns it alone (torch refuses a 1-tuple for "-> (Tensor)").
+                return outs[0] if len(outs) == 1 else outs
         elif functional:
 
             def impl(*vals: Any) -> Any:
@@ -956,7 +961,8 @@ class Kernel:
                 bound = self._bind(vals, kw) if kw or len(vals) < len(params) else vals
                 made = self._result_types([bound[i] for i in tensor_idx], {params[i]: bound[i] for i in attr_idx})
                 x = bound[tensor_idx[0]]
-                return tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                outs = tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                return outs[0] if len(outs) == 1 else outs
 
             fake = fake_several
         elif functional:
@@ -1072,7 +1078,7 @@ class Kernel:
                 if args[mutated] is not y:
                     y.copy_(args[mutated])
             if mutated is None:
-                if several:
+                if several and not isinstance(outs[0], torch.Tensor):
                     return tuple(torch.stack(o) for o in zip(*outs, strict=True)), tuple(0 for _ in outs[0])
                 return torch.stack(outs), 0
             return None, None
@@ -1165,6 +1171,7 @@ class Kernel:
         residual_idx = [i for i in range(len(self._results)) if i not in self._visible]
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            output = self._all_results(output)  # (one result: the op returns it alone)
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
             ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
             if residual_idx:
@@ -1414,7 +1421,7 @@ class _SeveralResults(Kernel):
                     break
             if self._checked_idx:
                 args, kwargs = tuple(self._check_compiled_attrs(args, kwargs)), {}
-            return self._pick(self._overload(*args, **kwargs))
+            return self._pick(self._all_results(self._overload(*args, **kwargs)))
         return self._pick(self._all_results(Kernel.__call__(self, *args, **kwargs)))
 
 
