@@ -468,6 +468,7 @@ const NO_BUFFER: XLA_FFI_Buffer = XLA_FFI_Buffer {
     dims: null_mut(),
 };
 const NO_SPAN: XLA_FFI_ByteSpan = XLA_FFI_ByteSpan { ptr: std::ptr::null(), len: 0 };
+const NO_ARRAY: XLA_FFI_Array = XLA_FFI_Array { dtype: XLA_FFI_DataType::INVALID, size: 0, data: null_mut() };
 
 /// Runs `op.handler` over torch's boxed stack (see [the module](self)).
 ///
@@ -621,14 +622,11 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     let mut scalar_types = [XLA_FFI_DataType::INVALID; N];
     let mut string_spans = [NO_SPAN; N];
     // Array attributes: int64, float64 and bool lists are lent from the arguments as they are;
-    // int32 and float32 ones are narrowed into these (allocated only for such an attribute).
-    let mut arrays: [XLA_FFI_Array; N] = std::array::from_fn(|_| XLA_FFI_Array {
-        dtype: XLA_FFI_DataType::INVALID,
-        size: 0,
-        data: null_mut(),
-    });
-    let mut narrow_i32: [Vec<i32>; N] = Default::default();
-    let mut narrow_f32: [Vec<f32>; N] = Default::default();
+    // int32 and float32 ones are narrowed into these (each inner buffer stays where it is as the
+    // outer list grows; nothing is allocated for an op without such an attribute).
+    let mut arrays = [NO_ARRAY; N];
+    let mut narrowed_i32: Vec<Vec<i32>> = Vec::new();
+    let mut narrowed_f32: Vec<Vec<f32>> = Vec::new();
     let mut n_attrs = 0;
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
         if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
@@ -687,14 +685,15 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
                                 KernelError(format!("{name}: element {j}, {e}, does not fit an int32"))
                             })?);
                         }
-                        narrow_i32[n_attrs] = narrowed;
-                        let v = &narrow_i32[n_attrs];
-                        (XLA_FFI_DataType::S32, v.len(), v.as_ptr().cast())
+                        let (len, data) = (narrowed.len(), narrowed.as_ptr());
+                        narrowed_i32.push(narrowed);
+                        (XLA_FFI_DataType::S32, len, data.cast())
                     }
                     AttrType::F32s => {
-                        narrow_f32[n_attrs] = args.float_list(i)?.iter().map(|&e| e as f32).collect();
-                        let v = &narrow_f32[n_attrs];
-                        (XLA_FFI_DataType::F32, v.len(), v.as_ptr().cast())
+                        let narrowed: Vec<f32> = args.float_list(i)?.iter().map(|&e| e as f32).collect();
+                        let (len, data) = (narrowed.len(), narrowed.as_ptr());
+                        narrowed_f32.push(narrowed);
+                        (XLA_FFI_DataType::F32, len, data.cast())
                     }
                     AttrType::F64s => {
                         let v = args.float_list(i)?;
