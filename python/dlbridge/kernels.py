@@ -447,6 +447,10 @@ class Kernel:
             # a kernel with one result pays nothing for this): one, or a tuple of several.
             self._pick = _picker(self._visible)
             self.__class__ = _SeveralResults
+        if self._checked_idx:
+            # str and array attributes checked at every call, in every mode (a class of its own,
+            # so a kernel without them reads nothing more per call, nor guards on it compiled).
+            self.__class__ = _CHECKED_CLASSES[self.__class__]
 
     def _declare_jvp(self, jvp: Any) -> Any:
         """The forward-mode rule, checked: ``(kernel, args)`` (``args`` names among the tensor
@@ -659,8 +663,6 @@ class Kernel:
                 if isinstance(a, (bool, int, float, complex)):
                     self._refuse_numbers_for_tensors(args, kwargs)
                     break
-            if self._checked_idx:
-                args, kwargs = tuple(self._check_compiled_attrs(args, kwargs)), {}
             # The op's overload itself: dynamo puts it in the graph at the cost of one guard.
             if self._mutated_idx is None:
                 return self._overload(*args, **kwargs)
@@ -679,9 +681,6 @@ class Kernel:
             return y
         if _PENDING_TORCH:
             _make_pending_torch_ops()
-        if self._checked_idx:
-            # A str or array attribute: checked, and an array passed on as a tuple, in every mode.
-            args, kwargs = tuple(self._check_attrs(self._bind(args, kwargs))), {}
         route = 0
         for a in args:
             r = _ROUTE.get(type(a))
@@ -1419,10 +1418,31 @@ class _SeveralResults(Kernel):
                 if isinstance(a, (bool, int, float, complex)):
                     self._refuse_numbers_for_tensors(args, kwargs)
                     break
-            if self._checked_idx:
-                args, kwargs = tuple(self._check_compiled_attrs(args, kwargs)), {}
             return self._pick(self._all_results(self._overload(*args, **kwargs)))
         return self._pick(self._all_results(Kernel.__call__(self, *args, **kwargs)))
+
+
+class _CheckedAttrs(Kernel):
+    """A kernel with str or array attributes: each checked against its declared type before the
+    call goes on (an array as a tuple of Python numbers), in every mode; under torch.compile the
+    check is traced (the values are constants of the graph)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiling():
+            return Kernel.__call__(self, *self._check_compiled_attrs(args, kwargs))
+        return Kernel.__call__(self, *self._check_attrs(self._bind(args, kwargs)))
+
+
+class _CheckedSeveralResults(_SeveralResults):
+    """``_CheckedAttrs`` for a kernel with several results."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiling():
+            return _SeveralResults.__call__(self, *self._check_compiled_attrs(args, kwargs))
+        return _SeveralResults.__call__(self, *self._check_attrs(self._bind(args, kwargs)))
+
+
+_CHECKED_CLASSES: dict[type, type] = {Kernel: _CheckedAttrs, _SeveralResults: _CheckedSeveralResults}
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
