@@ -59,8 +59,15 @@ backward reads each result by its name and each visible result's cotangent as ``
 (``out`` and ``grad``: the first visible result and its cotangent); a residual's cotangent is
 always zero, since the caller never sees it (torch: marked non-differentiable).
 
-Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit``) and torch
-``float``/``int``/``bool`` arguments; every other parameter is a tensor. Parameters named in
+Parameters named in ``attrs`` are XLA attributes (static under ``jax.jit``), each of its declared
+type: a numpy scalar type (``"float32"``, ``"int64"``, ``"bool"``, ...; torch ``float``/``int``/``bool``
+arguments), ``"str"`` (an XLA string attribute; torch ``str``), or an array ``"int64[]"``,
+``"int32[]"``, ``"float32[]"``, ``"float64[]"``, ``"bool[]"`` (an XLA array attribute of that element
+type, passed to ``ffi_call`` as a numpy array, a ``bool[]`` as uint8 bytes since XLA has no bool
+array attribute; torch ``int[]``/``float[]``/``bool[]``). A str or
+array value is checked at every call, in every mode, and a wrong one refused naming the attribute,
+its declared type and the value; an array reaches the function (and a backward or jvp) as a tuple
+of Python numbers. Every other parameter is a tensor. Parameters named in
 ``mutates`` are written in place: torch sees them as ``mutates_args``; XLA, being functional, gets
 the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
 returns its new value (the handler reads and writes the aliased output buffer).
@@ -83,6 +90,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
+import numbers
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -90,14 +99,92 @@ from typing import Any
 
 __all__ = ["Kernel", "kernel"]
 
-# Scalar attribute types: numpy scalar type names, and the torch schema type of each.
+# Attribute types, and the torch schema type of each: scalars (numpy scalar type names), a string,
+# and arrays (XLA array attributes of the element type; torch lists).
 _ATTR_SCHEMA = {
     "float32": "float",
     "float64": "float",
     "int32": "int",
     "int64": "int",
     "bool": "bool",
+    "str": "str",
+    "int64[]": "int[]",
+    "int32[]": "int[]",
+    "float32[]": "float[]",
+    "float64[]": "float[]",
+    "bool[]": "bool[]",
 }
+_SCALAR_ATTRS = frozenset({"float32", "float64", "int32", "int64", "bool"})
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _attr_refusal(kernel: str, name: str, declared: str, value: Any, why: str = "") -> TypeError:
+    hint = {
+        "str": "pass a str",
+        "bool[]": "pass a list of bools, e.g. [True, False]",
+    }.get(declared)
+    if hint is None:
+        hint = "pass a list of ints, e.g. [0, 1]" if declared.startswith("int") else "pass a list of numbers, e.g. [0.5, 1.0]"
+    tp = type(value).__name__
+    article = "an" if tp[:1] in "aeiou" else "a"
+    return TypeError(
+        f"{kernel}: attribute {name!r} is declared {declared!r}, but the call passed {article} "
+        f"{tp} ({value!r}){why}: {hint}"
+    )
+
+
+def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
+    """A str or array attribute's value checked against its declared type: the str itself, or
+    the array as a tuple of Python numbers (hashable: jax keeps it static). A value of another
+    type (a list for a str, a float or a bool in an int array, a str for an array) is refused,
+    naming the attribute, its declared type and the value; never converted silently."""
+    if declared == "str":
+        if isinstance(value, str):
+            return value
+        raise _attr_refusal(kernel, name, declared, value)
+    if isinstance(value, (str, bytes, Mapping)) or getattr(value, "ndim", 1) != 1:
+        raise _attr_refusal(kernel, name, declared, value, " (an array attribute is one sequence of values)")
+    try:
+        items = list(value)
+    except TypeError:
+        raise _attr_refusal(kernel, name, declared, value) from None
+    out: list[Any] = []
+    for i, e in enumerate(items):
+        bool_like = type(e).__name__ in ("bool", "bool_")
+        if declared == "bool[]":
+            ok = bool_like
+            v = bool(e) if ok else None
+        elif declared in ("int64[]", "int32[]"):
+            ok = isinstance(e, numbers.Integral) and not bool_like
+            v = int(e) if ok else None
+            if ok and declared == "int32[]" and not _INT32[0] <= v <= _INT32[1]:  # type: ignore[operator]
+                raise _attr_refusal(kernel, name, declared, value, f" (element {i}, {v}, does not fit an int32)")
+        else:
+            ok = isinstance(e, numbers.Real) and not bool_like
+            v = float(e) if ok else None
+        if not ok:
+            raise _attr_refusal(
+                kernel, name, declared, value, f" (element {i} is a {type(e).__name__}, {e!r})"
+            )
+        out.append(v)
+    return tuple(out)
+
+
+def _schema_default(declared: str, value: Any) -> str | None:
+    """An attribute's default as torch's schema writes it (None: it cannot say it)."""
+    if declared in _SCALAR_ATTRS:
+        return repr(value)
+    try:
+        value = _attr_value("", "", declared, value)
+    except TypeError:
+        return None
+    if declared == "str":
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            return None
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if declared.startswith("float") and not all(math.isfinite(v) for v in value):
+        return None
+    return "[" + ", ".join(repr(v) for v in value) + "]"
 # What torch.ops accepts as a namespace or op name, and the namespaces torch keeps for itself.
 _IDENTIFIER = re.compile(r"[A-Za-z][0-9A-Za-z_]*")
 _RESERVED_NAMESPACES = frozenset({"prim", "prims", "aten", "at", "torch", "pytorch"})
@@ -251,6 +338,9 @@ class Kernel:
         self._attrs = attrs
         self._tensor_idx = tuple(i for i, n in enumerate(self._params) if n not in attrs)
         self._attr_idx = tuple(i for i, n in enumerate(self._params) if n in attrs)
+        # The str and array attributes: checked (and arrays made tuples) at every call, in every
+        # mode; a kernel with scalar attributes only pays nothing for them.
+        self._checked_idx = tuple(i for i in self._attr_idx if attrs[self._params[i]] not in _SCALAR_ATTRS)
         for n in mutates:
             if n not in self._index or n in attrs:
                 raise ValueError(f"kernel {self.__name__}: mutates names {n!r}, not a tensor parameter")
@@ -357,6 +447,10 @@ class Kernel:
             # a kernel with one result pays nothing for this): one, or a tuple of several.
             self._pick = _picker(self._visible)
             self.__class__ = _SeveralResults
+        if self._checked_idx:
+            # str and array attributes checked at every call, in every mode (a class of its own,
+            # so a kernel without them reads nothing more per call, nor guards on it compiled).
+            self.__class__ = _CHECKED_CLASSES[self.__class__]
 
     def _declare_jvp(self, jvp: Any) -> Any:
         """The forward-mode rule, checked: ``(kernel, args)`` (``args`` names among the tensor
@@ -433,7 +527,10 @@ class Kernel:
 
     def _all_results(self, outs: Any) -> tuple[Any, ...]:
         """``outs``, what the function returned, if it is a tuple of every declared result (else a
-        clear error: indexing a single array would silently give its rows)."""
+        clear error: indexing a single array would silently give its rows). A kernel declaring one
+        result may return it alone: torch's op does (a schema ``-> (Tensor)`` returns a Tensor)."""
+        if len(self._results) == 1 and type(outs) is not tuple:
+            return (outs,)
         if type(outs) is not tuple or len(outs) != len(self._results):
             got = f"a tuple of {len(outs)}" if type(outs) is tuple else type(outs).__name__
             raise TypeError(
@@ -627,6 +724,29 @@ class Kernel:
                 raise
         return self._torch_call(self._bind(args, kwargs))
 
+    def _check_attrs(self, vals: list[Any]) -> list[Any]:
+        """``vals`` (bound) with each str and array attribute checked against its declared type
+        (an array as a tuple of Python numbers); a wrong value is refused in the author's terms."""
+        jax = sys.modules.get("jax")
+        for i in self._checked_idx:
+            n = self._params[i]
+            if jax is not None and isinstance(vals[i], jax.core.Tracer):
+                raise TypeError(
+                    f"{self.__name__}: {n} is an XLA attribute, static under jax.jit: pass a Python "
+                    f"value (close over it, or jax.jit(..., static_argnames=...)), not a traced value"
+                )
+            vals[i] = _attr_value(self.__name__, n, self._attrs[n], vals[i])
+        return vals
+
+    def _check_compiled_attrs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Under torch.compile (traced by dynamo: the attributes are constants of the graph), each
+        str and array attribute checked as eagerly, so a wrong one is refused in the same terms."""
+        vals = self._bind(args, kwargs)
+        for i in self._checked_idx:
+            n = self._params[i]
+            vals[i] = _attr_value(self.__name__, n, self._attrs[n], vals[i])
+        return vals
+
     def _refuse_numbers_for_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """A Python number passed for a tensor parameter: the op's schema takes a tensor there,
         since the parameter is not named in ``attrs``; say so, and what to declare (torch would
@@ -796,7 +916,8 @@ class Kernel:
             if n in self._attrs:
                 t = _ATTR_SCHEMA[self._attrs[n]]
                 d = self._defaults[i]
-                parts.append(f"{t} {n}" if d is _EMPTY else f"{t} {n}={d!r}")
+                text = None if d is _EMPTY else _schema_default(self._attrs[n], d)
+                parts.append(f"{t} {n}" if text is None else f"{t} {n}={text}")
             elif n in self._mutates:
                 parts.append(f"Tensor({next(letters)}!) {n}")
             else:
@@ -812,7 +933,9 @@ class Kernel:
         if self._results:
 
             def impl(*vals: Any) -> Any:
-                return self._all_results(fn(*vals))
+                outs = self._all_results(fn(*vals))
+                # One result: the op returns it alone (torch refuses a 1-tuple for "-> (Tensor)").
+                return outs[0] if len(outs) == 1 else outs
         elif functional:
 
             def impl(*vals: Any) -> Any:
@@ -837,7 +960,8 @@ class Kernel:
                 bound = self._bind(vals, kw) if kw or len(vals) < len(params) else vals
                 made = self._result_types([bound[i] for i in tensor_idx], {params[i]: bound[i] for i in attr_idx})
                 x = bound[tensor_idx[0]]
-                return tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                outs = tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                return outs[0] if len(outs) == 1 else outs
 
             fake = fake_several
         elif functional:
@@ -937,7 +1061,11 @@ class Kernel:
                 )
             outs = []
             for b in range(info.batch_size):
-                sl = [v if d is None else v.select(d, b) for v, d in zip(vals, in_dims, strict=True)]
+                # (An attribute is never batched: a list's in_dims is a list of Nones.)
+                sl = [
+                    v if d is None or not isinstance(v, torch.Tensor) else v.select(d, b)
+                    for v, d in zip(vals, in_dims, strict=True)
+                ]
                 if mutated is None:
                     outs.append(op(*[t.contiguous() if isinstance(t, torch.Tensor) else t for t in sl]))
                     continue
@@ -949,7 +1077,7 @@ class Kernel:
                 if args[mutated] is not y:
                     y.copy_(args[mutated])
             if mutated is None:
-                if several:
+                if several and not isinstance(outs[0], torch.Tensor):
                     return tuple(torch.stack(o) for o in zip(*outs, strict=True)), tuple(0 for _ in outs[0])
                 return torch.stack(outs), 0
             return None, None
@@ -1042,6 +1170,7 @@ class Kernel:
         residual_idx = [i for i in range(len(self._results)) if i not in self._visible]
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            output = self._all_results(output)  # (one result: the op returns it alone)
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
             ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
             if residual_idx:
@@ -1123,9 +1252,11 @@ class Kernel:
             if isinstance(vals[i], jax.core.Tracer):
                 raise TypeError(
                     f"{self.__name__}: {n} is an XLA attribute, static under jax.jit: pass a Python "
-                    f"number (close over it, or jax.jit(..., static_argnames=...)), not a traced value"
+                    f"value (close over it, or jax.jit(..., static_argnames=...)), not a traced value"
                 )
-            named.append((n, np.dtype(self._attrs[n]).type(vals[i])))
+            t = self._attrs[n]
+            # A str or an array (a tuple, checked at the call) as it is; a scalar as its type.
+            named.append((n, vals[i] if t not in _SCALAR_ATTRS else np.dtype(t).type(vals[i])))
         attrs = tuple(named)
         tensors = [vals[i] for i in self._tensor_idx]
         for t in tensors:
@@ -1142,6 +1273,20 @@ class Kernel:
             jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
             _JAX_TARGETS[self._target] = self._ffi
 
+    def _ffi_attrs(self, attrs: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+        """The attributes as ``ffi_call`` passes them to XLA: an array as a numpy array of its
+        declared element type (an XLA array attribute), a str and a scalar as they are."""
+        if not self._checked_idx:
+            return dict(attrs)
+        import numpy as np
+
+        out = {}
+        for n, v in attrs:
+            t = self._attrs[n]
+            # (XLA has no bool array attribute: bytes 0 and 1, which the handler reads as &[bool].)
+            out[n] = np.asarray(v, dtype="uint8" if t == "bool[]" else t[:-2]) if t.endswith("[]") else v
+        return out
+
     def _jax_ffi(self, jax: Any, attrs: tuple[tuple[str, Any], ...], tensors: Sequence[Any]) -> Any:
         jnp = jax.numpy
         tensors = [jnp.asarray(t) for t in tensors]
@@ -1150,7 +1295,7 @@ class Kernel:
             made = self._result_types(tensors, dict(attrs))
             types = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in made]
             call = jax.ffi.ffi_call(self._target, types, vmap_method=self._vmap_method)
-            return tuple(call(*tensors, **dict(attrs)))
+            return tuple(call(*tensors, **self._ffi_attrs(attrs)))
         if out.rule is not None:
             shape, dtype = out.rule(*tensors)
             result = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(str(dtype)))
@@ -1163,7 +1308,7 @@ class Kernel:
         call = jax.ffi.ffi_call(
             self._target, result, vmap_method=self._vmap_method, input_output_aliases=aliases
         )
-        return call(*tensors, **dict(attrs))
+        return call(*tensors, **self._ffi_attrs(attrs))
 
     def _make_jax_ad(self, jax: Any) -> Any:
         """The kernel as a ``jax.custom_jvp`` whose tangent is a linear call (``_linear_call``):
@@ -1273,8 +1418,31 @@ class _SeveralResults(Kernel):
                 if isinstance(a, (bool, int, float, complex)):
                     self._refuse_numbers_for_tensors(args, kwargs)
                     break
-            return self._pick(self._overload(*args, **kwargs))
+            return self._pick(self._all_results(self._overload(*args, **kwargs)))
         return self._pick(self._all_results(Kernel.__call__(self, *args, **kwargs)))
+
+
+class _CheckedAttrs(Kernel):
+    """A kernel with str or array attributes: each checked against its declared type before the
+    call goes on (an array as a tuple of Python numbers), in every mode; under torch.compile the
+    check is traced (the values are constants of the graph)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiling():
+            return Kernel.__call__(self, *self._check_compiled_attrs(args, kwargs))
+        return Kernel.__call__(self, *self._check_attrs(self._bind(args, kwargs)))
+
+
+class _CheckedSeveralResults(_SeveralResults):
+    """``_CheckedAttrs`` for a kernel with several results."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiling():
+            return _SeveralResults.__call__(self, *self._check_compiled_attrs(args, kwargs))
+        return _SeveralResults.__call__(self, *self._check_attrs(self._bind(args, kwargs)))
+
+
+_CHECKED_CLASSES: dict[type, type] = {Kernel: _CheckedAttrs, _SeveralResults: _CheckedSeveralResults}
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -1065,8 +1065,86 @@ impl<'a> RawAttr<'a> {
     }
 }
 
+impl<'a> RawAttr<'a> {
+    /// An array attribute's elements as `T`, checked: the kind, the element type (`want`, or
+    /// `also`), and the pointer and count (the frame is untrusted: a NULL or misaligned array or
+    /// data pointer, or a count whose bytes pass the address space, is refused, never read).
+    fn array<T: Element>(
+        self,
+        want: XLA_FFI_DataType,
+        also: Option<XLA_FFI_DataType>,
+        rust: &str,
+    ) -> Result<&'a [T]> {
+        if self.kind != XLA_FFI_AttrType::ARRAY {
+            return Err(FfiError::invalid_argument(format!(
+                "expected an array of {rust}, got attribute kind {} ({})",
+                self.kind.0,
+                attr_kind_name(self.kind)
+            )));
+        }
+        let a = self.value.cast::<XLA_FFI_Array>();
+        if a.is_null() || !a.is_aligned() {
+            return Err(FfiError::invalid_argument("a NULL array"));
+        }
+        // SAFETY: an array (its kind says so), non-NULL and aligned.
+        let a = unsafe { &*a };
+        if a.dtype != want && Some(a.dtype) != also {
+            let got = data_type(a.dtype).map_or_else(|| format!("XLA type {}", a.dtype.0), |d| d.to_string());
+            let np = data_type(want).map_or_else(|| format!("XLA type {}", want.0), |d| d.to_string());
+            return Err(FfiError::invalid_argument(format!(
+                "the handler reads an array of {rust}, but the call passed an array of {got}: declare \
+                 the attribute \"{np}[]\" where the kernel is declared (KernelDef.attrs, \
+                 kernel(attrs=...)), or read it as the declared type in the handler (a \
+                 jax.ffi.ffi_call of your own: pass numpy.asarray(values, numpy.{np}))"
+            )));
+        }
+        if a.size == 0 {
+            return Ok(&[]);
+        }
+        let fits = a.size.checked_mul(size_of::<T>()).filter(|&b| b <= isize::MAX as usize);
+        let Some(bytes) = fits else {
+            return Err(FfiError::invalid_argument(format!(
+                "an array of {} elements of {rust} exceeds the address space",
+                a.size
+            )));
+        };
+        let data = a.data;
+        if data.is_null()
+            || (data as usize) % align_of::<T>() != 0
+            || (data as usize).checked_add(bytes).is_none()
+        {
+            return Err(FfiError::invalid_argument(format!(
+                "an array of {} elements of {rust} at address {data:p}",
+                a.size
+            )));
+        }
+        // SAFETY: `size` elements of the array's element type (checked: T's) at `data`, non-NULL
+        // and aligned, their bytes inside the address space, alive for the call (the C contract).
+        let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), bytes) };
+        if !T::ALL_BIT_PATTERNS_VALID && !T::is_valid_bytes(bytes) {
+            return Err(FfiError::invalid_argument(format!("invalid {} values in the array", T::DTYPE)));
+        }
+        // SAFETY: as above; valid values of T.
+        Ok(unsafe { std::slice::from_raw_parts(data.cast::<T>(), a.size) })
+    }
+}
+
+/// The C API's name of an attribute kind, for errors.
+fn attr_kind_name(kind: XLA_FFI_AttrType) -> &'static str {
+    match kind {
+        XLA_FFI_AttrType::ARRAY => "an array",
+        XLA_FFI_AttrType::DICTIONARY => "a dictionary",
+        XLA_FFI_AttrType::SCALAR => "a scalar",
+        XLA_FFI_AttrType::STRING => "a string",
+        _ => "unknown",
+    }
+}
+
 /// What an attribute decodes to: `f32`, `f64`, `i32`, `i64`, `bool` (scalars of exactly that type:
-/// pass `numpy.float32(a)` from Python), `&str` (a string attribute).
+/// pass `numpy.float32(a)` from Python), `&str` (a string attribute), `&[i64]`, `&[i32]`,
+/// `&[f32]`, `&[f64]`, `&[bool]` (an array attribute of exactly that element type, borrowed from
+/// the call: `KernelDef.attrs` types `"int64[]"`, `"int32[]"`, `"float32[]"`, `"float64[]"`,
+/// `"bool[]"`).
 pub trait FromAttr<'a>: Sized {
     /// Decodes `attr`.
     fn from_attr(attr: RawAttr<'a>) -> Result<Self>;
@@ -1098,6 +1176,30 @@ impl<'a> FromAttr<'a> for bool {
             1 => Ok(true),
             b => Err(FfiError::invalid_argument(format!("a bool of byte {b}"))),
         }
+    }
+}
+
+macro_rules! array_attr {
+    ($($t:ty => $x:ident,)*) => {$(
+        impl<'a> FromAttr<'a> for &'a [$t] {
+            fn from_attr(attr: RawAttr<'a>) -> Result<Self> {
+                attr.array::<$t>(XLA_FFI_DataType::$x, None, stringify!($t))
+            }
+        }
+    )*};
+}
+array_attr! {
+    i64 => S64,
+    i32 => S32,
+    f32 => F32,
+    f64 => F64,
+}
+
+/// A `bool[]` attribute: a PRED array, or a U8 one (XLA has no bool array attribute, so a
+/// dlbridge kernel passes one from jax as bytes), each byte 0 or 1 (checked).
+impl<'a> FromAttr<'a> for &'a [bool] {
+    fn from_attr(attr: RawAttr<'a>) -> Result<Self> {
+        attr.array::<bool>(XLA_FFI_DataType::PRED, Some(XLA_FFI_DataType::U8), "bool")
     }
 }
 

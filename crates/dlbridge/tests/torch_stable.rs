@@ -633,6 +633,43 @@ fn scalar_defaults_are_in_the_schema_and_checked() {
             sig.schema()
         );
     }
+    // String and list defaults: a literal in double quotes (\\ and \" escaped), a list of its
+    // element kind.
+    const MORE: &[(&str, ArgKind)] = &[
+        ("s", ArgKind::Str),
+        ("ns", ArgKind::IntList),
+        ("fs", ArgKind::FloatList),
+        ("bs", ArgKind::BoolList),
+    ];
+    let sig = OpSignature::new("l", MORE, &[]).leak_defaults(&[
+        ("s", r#""a \"b\" \\c""#),
+        ("ns", "[0, -1]"),
+        ("fs", "[0.5, 1e-05]"),
+        ("bs", "[]"),
+    ]);
+    assert_eq!(
+        sig.schema().unwrap(),
+        r#"l(str s="a \"b\" \\c", int[] ns=[0, -1], float[] fs=[0.5, 1e-05], bool[] bs=[]) -> ()"#
+    );
+    for (bad, why) in [
+        (&[("s", "abc")][..], "kind Str"),
+        (&[("s", r#""a"b""#)][..], "kind Str"),
+        (&[("s", r#""a\n""#)][..], "kind Str"),
+        (&[("ns", "[0.5]")][..], "kind IntList"),
+        (&[("ns", "0")][..], "kind IntList"),
+        (&[("fs", "[inf]")][..], "kind FloatList"),
+        (&[("bs", "[true]")][..], "kind BoolList"),
+    ] {
+        let sig = OpSignature::new("l", MORE, &[]).leak_defaults(bad);
+        assert!(
+            matches!(sig.schema(), Err(Error::Invalid(ref m)) if m.contains(why)),
+            "{bad:?}: {:?}",
+            sig.schema()
+        );
+    }
+    // A list is an argument only.
+    let listed = OpSignature::new("r", &[], &[ArgKind::IntList]);
+    assert!(matches!(listed.schema(), Err(Error::Invalid(ref m)) if m.contains("IntList")));
     assert!(Error::Invalid(String::new()).is_unsupported());
     assert!(Error::Missing { symbol: "torch_library_impl", torch: "2.9.0".into() }.is_unsupported());
     assert!(!Error::Call { function: "f", message: String::new() }.is_unsupported());

@@ -242,6 +242,27 @@ fn string(name: &'static str, v: &'static str) -> Attr {
     Attr { name: span(name), kind: XLA_FFI_AttrType::STRING, value: s.cast(), free }
 }
 
+/// An array attribute of `size` elements of `dtype` at `data` (any pointer, for hostile frames).
+fn raw_array(name: &'static str, dtype: XLA_FFI_DataType, size: usize, data: *mut c_void) -> Attr {
+    let a = Box::into_raw(Box::new(XLA_FFI_Array { dtype, size, data }));
+    // SAFETY: made by Box::into_raw above, freed once (on drop).
+    let free = Box::new(move || drop(unsafe { Box::from_raw(a) }));
+    Attr { name: span(name), kind: XLA_FFI_AttrType::ARRAY, value: a.cast(), free }
+}
+
+/// An array attribute holding `v` (kept alive by the attribute).
+fn array<T: Copy + 'static>(name: &'static str, dtype: XLA_FFI_DataType, v: &[T]) -> Attr {
+    let data = Box::into_raw(v.to_vec().into_boxed_slice());
+    let mut a = raw_array(name, dtype, v.len(), data.cast());
+    let mut free_array = std::mem::replace(&mut a.free, Box::new(|| {}));
+    a.free = Box::new(move || {
+        free_array();
+        // SAFETY: made by Box::into_raw above, freed once (on drop).
+        drop(unsafe { Box::from_raw(data) });
+    });
+    a
+}
+
 fn f32s(v: &mut [f32]) -> *mut c_void {
     v.as_mut_ptr().cast()
 }
@@ -308,6 +329,28 @@ dlbridge::xla_handler! {
         let mode: &str = call.attr("mode")?;
         let mut out = call.output::<f64, (Dim<4>,)>(0, "out")?;
         out.as_slice_mut()?.copy_from_slice(&[eps, n as f64, f64::from(u8::from(flag)), mode.len() as f64]);
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Reads an array attribute of each element type: out = [sum(i64s), sum(i32s), sum(f32s),
+    /// sum(f64s), count of trues, number of elements in all].
+    fn arrays(call, operands: 0, results: 1, attrs: ["i64s", "i32s", "f32s", "f64s", "bools"]) {
+        let a: &[i64] = call.attr("i64s")?;
+        let b: &[i32] = call.attr("i32s")?;
+        let c: &[f32] = call.attr("f32s")?;
+        let d: &[f64] = call.attr("f64s")?;
+        let e: &[bool] = call.attr("bools")?;
+        let mut out = call.output::<f64, (Dim<6>,)>(0, "out")?;
+        out.as_slice_mut()?.copy_from_slice(&[
+            a.iter().sum::<i64>() as f64,
+            f64::from(b.iter().sum::<i32>()),
+            f64::from(c.iter().sum::<f32>()),
+            d.iter().sum(),
+            e.iter().filter(|&&t| t).count() as f64,
+            (a.len() + b.len() + c.len() + d.len() + e.len()) as f64,
+        ]);
         Ok(())
     }
 }
@@ -466,6 +509,131 @@ fn attributes_are_read_by_name_and_type() {
     // SAFETY: the result's one extent, through the frame's pointer.
     unsafe { *f.ret(0).dims = 3 };
     invalid(f.call(attrs), &["attrs: out: expected writable float64 (4,)", "got float64 (3,)"]);
+}
+
+fn arrays_frame(out: &mut [f64; 6]) -> Box<Frame> {
+    Frame::new(
+        vec![],
+        vec![buf(XLA_FFI_DataType::F64, out.as_mut_ptr().cast(), &[6])],
+        vec![
+            array("i64s", XLA_FFI_DataType::S64, &[1i64 << 40, -2]),
+            array("i32s", XLA_FFI_DataType::S32, &[3i32, 4]),
+            array("f32s", XLA_FFI_DataType::F32, &[0.5f32]),
+            array("f64s", XLA_FFI_DataType::F64, &[0.25f64, 0.5, 1.0]),
+            array("bools", XLA_FFI_DataType::PRED, &[1u8, 0, 1]),
+        ],
+    )
+}
+
+#[test]
+fn array_attributes_are_read_as_slices_of_their_element_type() {
+    let mut out = [0.0f64; 6];
+    let mut f = arrays_frame(&mut out);
+    f.call(arrays).unwrap();
+    assert_eq!(out, [((1i64 << 40) - 2) as f64, 7.0, 0.5, 1.75, 2.0, 11.0]);
+    // A bool array as bytes (how jax passes one: XLA has no bool array attribute).
+    f.attrs[4] = array("bools", XLA_FFI_DataType::U8, &[0u8, 1, 1, 1]);
+    f.link();
+    f.call(arrays).unwrap();
+    assert_eq!(out[4..], [3.0, 12.0]);
+    // Empty arrays: no data pointer needed.
+    for (i, (name, dtype)) in [
+        ("i64s", XLA_FFI_DataType::S64),
+        ("i32s", XLA_FFI_DataType::S32),
+        ("f32s", XLA_FFI_DataType::F32),
+        ("f64s", XLA_FFI_DataType::F64),
+        ("bools", XLA_FFI_DataType::PRED),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        f.attrs[i] = raw_array(name, dtype, 0, null_mut());
+    }
+    f.link();
+    f.call(arrays).unwrap();
+    assert_eq!(out, [0.0; 6]);
+}
+
+#[test]
+fn hostile_array_attributes_are_refused_never_read() {
+    let mut out = [0.0f64; 6];
+    let mut f = arrays_frame(&mut out);
+    // The wrong element type: names the attribute and the declaration to change.
+    f.attrs[0] = array("i64s", XLA_FFI_DataType::S32, &[1i32, 2]);
+    f.link();
+    invalid(
+        f.call(arrays),
+        &[
+            "attribute i64s: the handler reads an array of i64, but the call passed an array of int32",
+            "declare the attribute \"int64[]\" where the kernel is declared",
+        ],
+    );
+    // A scalar where an array is read.
+    f.attrs[0] = scalar("i64s", XLA_FFI_DataType::S64, 1i64);
+    f.link();
+    invalid(f.call(arrays), &["attribute i64s: expected an array of i64, got attribute kind 3 (a scalar)"]);
+    // A NULL array struct.
+    f.attrs[0] = array("i64s", XLA_FFI_DataType::S64, &[1i64]);
+    f.attrs[0].value = null_mut();
+    f.link();
+    invalid(f.call(arrays), &["attribute i64s: a NULL array"]);
+    // NULL data with a nonzero size.
+    f.attrs[0] = raw_array("i64s", XLA_FFI_DataType::S64, 3, null_mut());
+    f.link();
+    invalid(f.call(arrays), &["attribute i64s: an array of 3 elements of i64 at address 0x0"]);
+    // A size whose bytes overflow the address space (never multiplied unchecked, never read).
+    let mut word = 0i64;
+    f.attrs[0] = raw_array("i64s", XLA_FFI_DataType::S64, usize::MAX / 4, (&raw mut word).cast());
+    f.link();
+    invalid(f.call(arrays), &["attribute i64s: an array of", "exceeds the address space"]);
+    // Data whose end passes the end of the address space.
+    f.attrs[0] = raw_array("i64s", XLA_FFI_DataType::S64, 4, (usize::MAX - 15) as *mut c_void);
+    f.link();
+    invalid(f.call(arrays), &["attribute i64s: an array of 4 elements of i64 at address"]);
+    // Misaligned data.
+    let words = [0u64; 3];
+    let odd = words.as_ptr().cast::<u8>().wrapping_add(1).cast_mut();
+    f.attrs[0] = raw_array("i64s", XLA_FFI_DataType::S64, 2, odd.cast());
+    f.link();
+    invalid(f.call(arrays), &["attribute i64s: an array of 2 elements of i64 at address"]);
+    // A bool array with a byte that is no bool.
+    f.attrs[0] = array("i64s", XLA_FFI_DataType::S64, &[1i64]);
+    f.attrs[4] = array("bools", XLA_FFI_DataType::PRED, &[1u8, 2]);
+    f.link();
+    invalid(f.call(arrays), &["attribute bools: invalid bool values in the array"]);
+    f.attrs[4] = array("bools", XLA_FFI_DataType::U8, &[255u8]);
+    f.link();
+    invalid(f.call(arrays), &["attribute bools: invalid bool values in the array"]);
+    f.attrs[4] = array("bools", XLA_FFI_DataType::S8, &[1u8]);
+    f.link();
+    invalid(
+        f.call(arrays),
+        &["attribute bools: the handler reads an array of bool, but the call passed an array of int8"],
+    );
+    // Each element type checked: f32 read, f64 passed.
+    f.attrs[4] = array("bools", XLA_FFI_DataType::PRED, &[1u8]);
+    f.attrs[2] = array("f32s", XLA_FFI_DataType::F64, &[1.0f64]);
+    f.link();
+    invalid(
+        f.call(arrays),
+        &["attribute f32s: the handler reads an array of f32, but the call passed an array of float64"],
+    );
+    // A string read as an array, an array read as a string.
+    f.attrs[2] = string("f32s", "abc");
+    f.link();
+    invalid(f.call(arrays), &["attribute f32s: expected an array of f32, got attribute kind 4 (a string)"]);
+    let mut g = Frame::new(
+        vec![],
+        vec![buf(XLA_FFI_DataType::F64, out.as_mut_ptr().cast(), &[4])],
+        vec![
+            scalar("eps", XLA_FFI_DataType::F64, 0.5f64),
+            array("mode", XLA_FFI_DataType::S64, &[1i64]),
+            scalar("n", XLA_FFI_DataType::S64, 7i64),
+            scalar("flag", XLA_FFI_DataType::PRED, 1u8),
+        ],
+    );
+    invalid(g.call(attrs), &["attribute mode: expected a string, got attribute kind 1"]);
+    assert_eq!(out, [0.0; 6], "nothing was written by a refused call");
 }
 
 #[test]

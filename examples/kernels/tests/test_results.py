@@ -370,3 +370,32 @@ def test_results_declarations_are_checked():
         dlbridge.kernels.kernel(f, results=("x",), result_rule=rule)
     with pytest.raises(ValueError, match="residuals= and result_rule= need results="):
         dlbridge.kernels.kernel(f, residuals=("a",))
+
+
+# --- one declared result ---
+
+
+def test_a_kernel_declaring_one_result_returns_it_not_its_rows(torch):
+    """torch returns an op's one result alone (a schema "-> (Tensor)" returns a Tensor). Before,
+    the kernel picked element 0 of what the op returned: under torch.compile the first row of the
+    result, and the Python custom op refused the function's 1-tuple ("Unable to cast")."""
+    k = dlbridge.kernels.kernel(
+        K.rms_norm_inference.__wrapped__,
+        name="rms_norm_one_result",
+        namespace="dlbridge_results_test",
+        attrs={"eps": "float64"},
+        ffi=K.rms_norm_inference._ffi,
+        results=("y",),
+        result_rule=lambda shapes, dtypes, attrs: [(shapes[0], dtypes[0])],
+    )
+    x, w = (torch.from_numpy(a) for a in data())
+    want = torch_reference(torch, x, w)
+    torch.testing.assert_close(k.torch_op(x, w, EPS), want)
+    torch.library.opcheck(k.torch_op, (x, w, EPS))
+    torch._dynamo.reset()
+    y = torch.compile(lambda a, b: k(a, b), fullgraph=True)(x, w)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(k(x.clone().requires_grad_(), w), want)  # through the op, eagerly
+    yv = torch.func.vmap(lambda a: k(a, w))(torch.stack([x, 2 * x]))
+    torch.testing.assert_close(yv[1], torch_reference(torch, 2 * x, w))

@@ -6,7 +6,7 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::signature::{ArgKind, OpSignature};
-use super::sys::{AtenTensorHandle, StableIValue, StringHandle};
+use super::sys::{AtenTensorHandle, StableIValue, StableListHandle, StringHandle};
 use super::{EXTENSION_ABI_VERSION, Error, Result, Tensor, Torch};
 
 /// An argument or result, owned.
@@ -22,6 +22,12 @@ pub enum Value {
     Bool(bool),
     /// A `str`.
     Str(String),
+    /// An `int[]`.
+    IntList(Vec<i64>),
+    /// A `float[]`.
+    FloatList(Vec<f64>),
+    /// A `bool[]`.
+    BoolList(Vec<bool>),
 }
 
 impl Value {
@@ -32,6 +38,9 @@ impl Value {
             Self::Float(_) => "float",
             Self::Bool(_) => "bool",
             Self::Str(_) => "str",
+            Self::IntList(_) => "int[]",
+            Self::FloatList(_) => "float[]",
+            Self::BoolList(_) => "bool[]",
         }
     }
 }
@@ -192,6 +201,30 @@ impl Args {
         match self.get(i, "str")? {
             Value::Str(v) => Ok(v),
             v => Err(self.wrong(i, "str", v)),
+        }
+    }
+
+    /// `int[]` argument `i`.
+    pub fn int_list(&self, i: usize) -> Result<&[i64], KernelError> {
+        match self.get(i, "int[]")? {
+            Value::IntList(v) => Ok(v),
+            v => Err(self.wrong(i, "int[]", v)),
+        }
+    }
+
+    /// `float[]` argument `i`.
+    pub fn float_list(&self, i: usize) -> Result<&[f64], KernelError> {
+        match self.get(i, "float[]")? {
+            Value::FloatList(v) => Ok(v),
+            v => Err(self.wrong(i, "float[]", v)),
+        }
+    }
+
+    /// `bool[]` argument `i`.
+    pub fn bool_list(&self, i: usize) -> Result<&[bool], KernelError> {
+        match self.get(i, "bool[]")? {
+            Value::BoolList(v) => Ok(v),
+            v => Err(self.wrong(i, "bool[]", v)),
         }
     }
 }
@@ -363,6 +396,22 @@ unsafe fn take_args(
                     None
                 }
             },
+            ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList => {
+                // SAFETY: a list argument is an owning list handle of plain values.
+                match unsafe { take_list(torch, raw as usize as StableListHandle) } {
+                    Ok(words) => Some(match kind {
+                        ArgKind::IntList => Value::IntList(words.into_iter().map(|w| w as i64).collect()),
+                        ArgKind::FloatList => {
+                            Value::FloatList(words.into_iter().map(f64::from_bits).collect())
+                        }
+                        _ => Value::BoolList(words.into_iter().map(|w| w.to_ne_bytes()[0] != 0).collect()),
+                    }),
+                    Err(e) => {
+                        first_error.get_or_insert_with(|| KernelError(format!("argument {name}: {e}")));
+                        None
+                    }
+                }
+            }
         };
         values.get_mut()[i] = v;
     }
@@ -407,6 +456,40 @@ unsafe fn take_string(torch: &Torch, h: StringHandle) -> Result<String> {
     s
 }
 
+/// Copies the elements (raw stack words) of an owning list handle of plain values (`int`,
+/// `float`, `bool`: nothing owned inside) and frees the list.
+///
+/// # Safety
+///
+/// `h` is NULL or an owning `StableListHandle` of `torch`, of plain values, nothing else frees.
+unsafe fn take_list(torch: &Torch, h: StableListHandle) -> Result<Vec<StableIValue>> {
+    if h.is_null() {
+        return Err(Error::Invalid("a NULL list".into()));
+    }
+    let delete = torch.need(torch.syms.torch_delete_list, "torch_delete_list")?;
+    let read = || -> Result<Vec<StableIValue>> {
+        let size_f = torch.need(torch.syms.torch_list_size, "torch_list_size")?;
+        let get_f = torch.need(torch.syms.torch_list_get_item, "torch_list_get_item")?;
+        let mut n = 0usize;
+        // SAFETY: a live list handle and a place for the result.
+        torch.check(unsafe { size_f(h, &mut n) }, "torch_list_size")?;
+        // A count torch reported, yet never trusted for an allocation up front: the list's
+        // elements are read one by one, each call checked.
+        let mut words = Vec::with_capacity(n.min(1024));
+        for i in 0..n {
+            let mut w: StableIValue = 0;
+            // SAFETY: a live list handle, an index below its size, a place for the element.
+            torch.check(unsafe { get_f(h, i, &mut w) }, "torch_list_get_item")?;
+            words.push(w);
+        }
+        Ok(words)
+    };
+    let words = read();
+    // SAFETY: the owning handle, freed once, after its plain elements were copied.
+    let _ = unsafe { delete(h) };
+    words
+}
+
 /// Puts the outputs on the stack, all or none (an unset one fails before anything is written).
 ///
 /// # Safety
@@ -423,7 +506,9 @@ unsafe fn put_outputs(stack: *mut StableIValue, outs: Outputs) -> Result<(), Ker
             Value::Int(v) => v as u64,
             Value::Float(v) => v.to_bits(),
             Value::Bool(v) => bool_word(v),
-            Value::Str(_) => unreachable!("Outputs::set refuses str"),
+            Value::Str(_) | Value::IntList(_) | Value::FloatList(_) | Value::BoolList(_) => {
+                unreachable!("Outputs::set refuses str and lists")
+            }
         };
         // SAFETY: entry i < num_outputs of torch's stack; torch takes the handle.
         unsafe { stack.add(i).write(raw) };
@@ -476,7 +561,8 @@ fn no_torch() -> ! {
 impl Torch {
     /// Calls op `op` (e.g. `"aten::add"`, `"my_ns::my_op"`), overload `overload` (`""` for the
     /// default) through the dispatcher with `args`, and returns its results decoded as `rets`
-    /// (`torch_call_dispatcher`, or `aoti_torch_call_dispatcher` before torch 2.10).
+    /// (`torch_call_dispatcher`, or `aoti_torch_call_dispatcher` before torch 2.10). List
+    /// arguments and results are refused ([`Error::Invalid`]).
     ///
     /// Torch takes the arguments (tensor handles and strings) once it found the op; when it
     /// fails before that (no such op) it frees none of them, and which it took is not said, so
@@ -498,8 +584,19 @@ impl Torch {
         let c_op = CString::new(op).map_err(|_| Error::Invalid(format!("op: {op:?} contains a NUL byte")))?;
         let c_ov = CString::new(overload)
             .map_err(|_| Error::Invalid(format!("overload: {overload:?} contains a NUL byte")))?;
-        if let Some(k) = rets.iter().find(|k| matches!(k, ArgKind::TensorMut)) {
+        if let Some(k) = rets.iter().find(|k| {
+            matches!(k, ArgKind::TensorMut | ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList)
+        }) {
             return Err(Error::Invalid(format!("rets: a result of kind {k:?}")));
+        }
+        // (Lists are kernel arguments only: a dispatcher call takes none.)
+        if let Some(v) =
+            args.iter().find(|v| matches!(v, Value::IntList(_) | Value::FloatList(_) | Value::BoolList(_)))
+        {
+            return Err(Error::Invalid(format!(
+                "args: a {} (lists are not passed to dispatcher calls)",
+                v.kind_name()
+            )));
         }
         // Found before anything is encoded, so a missing function leaks nothing.
         let call_new = self.syms.torch_call_dispatcher;
@@ -534,6 +631,7 @@ impl Torch {
                 Value::Float(v) => v.to_bits(),
                 Value::Bool(v) => bool_word(v),
                 Value::Str(_) => stack[i],
+                Value::IntList(_) | Value::FloatList(_) | Value::BoolList(_) => unreachable!("refused above"),
             };
         }
         let code = match (call_new, call_old) {
@@ -575,7 +673,9 @@ impl Torch {
                         continue;
                     }
                 },
-                ArgKind::TensorMut => unreachable!("refused above"),
+                ArgKind::TensorMut | ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList => {
+                    unreachable!("refused above")
+                }
             });
         }
         match first_error {

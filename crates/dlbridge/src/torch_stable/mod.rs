@@ -62,9 +62,9 @@ use std::sync::{Mutex, OnceLock};
 pub use borrowed::Describer;
 pub use kernel::{Args, KernelError, NativeKernel, Outputs, Value, boxed_kernel, register_kernel, run_boxed};
 pub use library::Library;
-/// Keeps a block for the process, reachable (leak checkers see it as such), for what an op needs.
-pub(crate) use signature::keep;
 pub use signature::{ArgKind, OpSignature};
+/// Keeps a block for the process, reachable (leak checkers see it as such), for what an op needs.
+pub(crate) use signature::{keep, string_literal};
 pub use tensor::{DeviceKind, Tensor, TorchDevice};
 
 use crate::DataType;

@@ -36,6 +36,12 @@ pub enum ArgKind {
     Bool,
     /// `str`: a `std::string` handle (torch 2.10+). Arguments only.
     Str,
+    /// `int[]`: a list handle of 64-bit ints (torch 2.10+). Arguments only.
+    IntList,
+    /// `float[]`: a list handle of f64s (torch 2.10+). Arguments only.
+    FloatList,
+    /// `bool[]`: a list handle of bools (torch 2.10+). Arguments only.
+    BoolList,
 }
 
 impl ArgKind {
@@ -46,6 +52,9 @@ impl ArgKind {
             Self::Float => "float",
             Self::Bool => "bool",
             Self::Str => "str",
+            Self::IntList => "int[]",
+            Self::FloatList => "float[]",
+            Self::BoolList => "bool[]",
         }
     }
 }
@@ -120,10 +129,11 @@ impl OpSignature {
 
     /// The schema string torch parses: `name(Tensor x, Tensor(a!) y, float a=0.5) -> Tensor`
     /// (mutated tensors get alias sets `a`, `b`, ... in order; no results is `-> ()`, several a
-    /// tuple). [`Error::Invalid`] for a result of kind `TensorMut` or `Str`, more than 26 mutated
-    /// tensors, a name that is not an identifier, or a default that names no argument or is not
-    /// a value of its argument's kind (an `int`, a finite `float`, `True`/`False`; none for a
-    /// tensor or a string).
+    /// tuple). [`Error::Invalid`] for a result of kind `TensorMut`, `Str` or a list, more than 26
+    /// mutated tensors, a name that is not an identifier, or a default that names no argument or
+    /// is not a value of its argument's kind (an `int`, a finite `float`, `True`/`False`, a
+    /// string literal [`string_literal`] writes, a list `[v, ...]` of its element kind; none for
+    /// a tensor).
     pub fn schema(&self) -> Result<String> {
         let ident = |what: &str, s: &str| {
             let ok = s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
@@ -138,11 +148,18 @@ impl OpSignature {
                     self.name
                 )));
             };
+            let int = |v: &str| v.parse::<i64>().is_ok();
+            let float = |v: &str| v.parse::<f64>().is_ok_and(f64::is_finite);
+            let boolean = |v: &str| matches!(v, "True" | "False");
             let ok = match kind {
-                ArgKind::Int => value.parse::<i64>().is_ok(),
-                ArgKind::Float => value.parse::<f64>().is_ok_and(f64::is_finite),
-                ArgKind::Bool => matches!(value, "True" | "False"),
-                ArgKind::Tensor | ArgKind::TensorMut | ArgKind::Str => false,
+                ArgKind::Int => int(value),
+                ArgKind::Float => float(value),
+                ArgKind::Bool => boolean(value),
+                ArgKind::Str => is_string_literal(value),
+                ArgKind::IntList => is_list_of(value, int),
+                ArgKind::FloatList => is_list_of(value, float),
+                ArgKind::BoolList => is_list_of(value, boolean),
+                ArgKind::Tensor | ArgKind::TensorMut => false,
             };
             if !ok {
                 return Err(Error::Invalid(format!(
@@ -168,7 +185,12 @@ impl OpSignature {
                 }
             }
         }
-        if let Some(k) = self.rets.iter().find(|k| matches!(k, ArgKind::TensorMut | ArgKind::Str)) {
+        if let Some(k) = self.rets.iter().find(|k| {
+            matches!(
+                k,
+                ArgKind::TensorMut | ArgKind::Str | ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList
+            )
+        }) {
             return Err(Error::Invalid(format!(
                 "{}: a result of kind {k:?} (Tensor, int, float, bool only)",
                 self.name
@@ -181,4 +203,44 @@ impl OpSignature {
         };
         Ok(format!("{}({}) -> {rets}", self.name, args.join(", ")))
     }
+}
+
+/// `s` as a schema string literal: in double quotes, `\\` and `"` escaped. `None` for a string
+/// with a control character (torch's schema lexer has no escape this module writes for them).
+pub(crate) fn string_literal(s: &str) -> Option<String> {
+    if s.chars().any(char::is_control) {
+        return None;
+    }
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        if c == '\\' || c == '"' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    Some(out)
+}
+
+/// Whether `v` is a literal [`string_literal`] writes.
+fn is_string_literal(v: &str) -> bool {
+    let Some(inner) = v.strip_prefix('"').and_then(|v| v.strip_suffix('"')) else { return false };
+    let mut chars = inner.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if !matches!(chars.next(), Some('\\' | '"')) => return false,
+            '\\' => {}
+            '"' => return false,
+            c if c.is_control() => return false,
+            _ => {}
+        }
+    }
+    true
+}
+
+/// Whether `v` is `[a, b, ...]` (or `[]`), each element passing `element`.
+fn is_list_of(v: &str, element: impl Fn(&str) -> bool) -> bool {
+    let Some(inner) = v.strip_prefix('[').and_then(|v| v.strip_suffix(']')) else { return false };
+    inner.trim().is_empty() || inner.split(',').all(|e| element(e.trim()))
 }

@@ -38,6 +38,15 @@ pub struct StringOpaque {
 /// `StringHandle`.
 pub type StringHandle = *mut StringOpaque;
 
+/// An opaque `std::vector<StableIValue>*` (`StableListHandle`, torch 2.10+): a list argument,
+/// its elements encoded as the stack encodes them; the receiver frees it (`torch_delete_list`).
+#[repr(C)]
+pub struct StableListOpaque {
+    _private: [u8; 0],
+}
+/// `StableListHandle`.
+pub type StableListHandle = *mut StableListOpaque;
+
 /// A boxed kernel as torch calls it: `void(StableIValue* stack, uint64_t num_args,
 /// uint64_t num_outputs)`. `C-unwind`: the kernel reports an error by throwing a C++ exception
 /// (through `aoti_torch_check`), which must pass through its frame.
@@ -161,6 +170,13 @@ symbols! {
     torch_string_length: fn(StringHandle, *mut usize) -> AOTITorchError;
     /// A string's bytes, borrowed (torch 2.10+).
     torch_string_c_str: fn(StringHandle, *mut *const c_char) -> AOTITorchError;
+
+    /// A list's number of elements (torch 2.10+).
+    torch_list_size: fn(StableListHandle, *mut usize) -> AOTITorchError;
+    /// A list's element, as the stack encodes it (torch 2.10+).
+    torch_list_get_item: fn(StableListHandle, usize, *mut StableIValue) -> AOTITorchError;
+    /// Frees a list (only the list: owning elements are the caller's to free; torch 2.10+).
+    torch_delete_list: fn(StableListHandle) -> AOTITorchError;
 
     /// dtype code.
     aoti_torch_dtype_bool: fn() -> i32;

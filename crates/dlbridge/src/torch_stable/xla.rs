@@ -30,7 +30,7 @@ use crate::DataType;
 use crate::xla_ffi::*;
 
 /// The type an XLA handler reads an attribute as ([`crate::xla::Call::attr`]); the torch schema
-/// type follows (`float`, `int`, `bool`, `str`).
+/// type follows (`float`, `int`, `bool`, `str`, `int[]`, `float[]`, `bool[]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AttrType {
     /// An `f32` scalar (schema `float`, rounded).
@@ -45,11 +45,22 @@ pub enum AttrType {
     Bool,
     /// A string.
     Str,
+    /// An array of `i64` (schema `int[]`).
+    I64s,
+    /// An array of `i32` (schema `int[]`, each element range-checked).
+    I32s,
+    /// An array of `f32` (schema `float[]`, rounded).
+    F32s,
+    /// An array of `f64` (schema `float[]`).
+    F64s,
+    /// An array of `bool` (schema `bool[]`).
+    Bools,
 }
 
 impl AttrType {
-    /// The type a `KernelDef.attrs` numpy name says (`"float32"`, `"float64"`, `"int32"`,
-    /// `"int64"`, `"bool"`, `"str"`), `None` for another.
+    /// The type a `KernelDef.attrs` name says (`"float32"`, `"float64"`, `"int32"`, `"int64"`,
+    /// `"bool"`, `"str"`, `"int64[]"`, `"int32[]"`, `"float32[]"`, `"float64[]"`, `"bool[]"`),
+    /// `None` for another.
     pub fn from_numpy_name(name: &str) -> Option<Self> {
         Some(match name {
             "float32" => Self::F32,
@@ -58,6 +69,11 @@ impl AttrType {
             "int64" => Self::I64,
             "bool" => Self::Bool,
             "str" => Self::Str,
+            "int64[]" => Self::I64s,
+            "int32[]" => Self::I32s,
+            "float32[]" => Self::F32s,
+            "float64[]" => Self::F64s,
+            "bool[]" => Self::Bools,
             _ => return None,
         })
     }
@@ -69,6 +85,9 @@ impl AttrType {
             Self::I32 | Self::I64 => ArgKind::Int,
             Self::Bool => ArgKind::Bool,
             Self::Str => ArgKind::Str,
+            Self::I64s | Self::I32s => ArgKind::IntList,
+            Self::F32s | Self::F64s => ArgKind::FloatList,
+            Self::Bools => ArgKind::BoolList,
         }
     }
 }
@@ -449,6 +468,7 @@ const NO_BUFFER: XLA_FFI_Buffer = XLA_FFI_Buffer {
     dims: null_mut(),
 };
 const NO_SPAN: XLA_FFI_ByteSpan = XLA_FFI_ByteSpan { ptr: std::ptr::null(), len: 0 };
+const NO_ARRAY: XLA_FFI_Array = XLA_FFI_Array { dtype: XLA_FFI_DataType::INVALID, size: 0, data: null_mut() };
 
 /// Runs `op.handler` over torch's boxed stack (see [the module](self)).
 ///
@@ -634,6 +654,12 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
     let mut words = [[0u64; 1]; N];
     let mut scalar_types = [XLA_FFI_DataType::INVALID; N];
     let mut string_spans = [NO_SPAN; N];
+    // Array attributes: int64, float64 and bool lists are lent from the arguments as they are;
+    // int32 and float32 ones are narrowed into these (each inner buffer stays where it is as the
+    // outer list grows; nothing is allocated for an op without such an attribute).
+    let mut arrays = [NO_ARRAY; N];
+    let mut narrowed_i32: Vec<Vec<i32>> = Vec::new();
+    let mut narrowed_f32: Vec<Vec<f32>> = Vec::new();
     let mut n_attrs = 0;
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
         if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
@@ -676,6 +702,46 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
                 kinds[n_attrs] = XLA_FFI_AttrType::STRING;
                 XLA_FFI_DataType::INVALID
             }
+            AttrType::I64s | AttrType::I32s | AttrType::F32s | AttrType::F64s | AttrType::Bools => {
+                // The handler only reads an array attribute (FromAttr lends `&[T]`): the
+                // pointers below are never written through.
+                let (dtype, size, data): (_, usize, *const c_void) = match ty {
+                    AttrType::I64s => {
+                        let v = args.int_list(i)?;
+                        (XLA_FFI_DataType::S64, v.len(), v.as_ptr().cast())
+                    }
+                    AttrType::I32s => {
+                        let v = args.int_list(i)?;
+                        let mut narrowed = Vec::with_capacity(v.len());
+                        for (j, &e) in v.iter().enumerate() {
+                            narrowed.push(i32::try_from(e).map_err(|_| {
+                                KernelError(format!("{name}: element {j}, {e}, does not fit an int32"))
+                            })?);
+                        }
+                        let (len, data) = (narrowed.len(), narrowed.as_ptr());
+                        narrowed_i32.push(narrowed);
+                        (XLA_FFI_DataType::S32, len, data.cast())
+                    }
+                    AttrType::F32s => {
+                        let narrowed: Vec<f32> = args.float_list(i)?.iter().map(|&e| e as f32).collect();
+                        let (len, data) = (narrowed.len(), narrowed.as_ptr());
+                        narrowed_f32.push(narrowed);
+                        (XLA_FFI_DataType::F32, len, data.cast())
+                    }
+                    AttrType::F64s => {
+                        let v = args.float_list(i)?;
+                        (XLA_FFI_DataType::F64, v.len(), v.as_ptr().cast())
+                    }
+                    _ => {
+                        // A Rust bool is one byte, 0 or 1: XLA's PRED.
+                        let v = args.bool_list(i)?;
+                        (XLA_FFI_DataType::PRED, v.len(), v.as_ptr().cast())
+                    }
+                };
+                arrays[n_attrs] = XLA_FFI_Array { dtype, size, data: data.cast_mut() };
+                kinds[n_attrs] = XLA_FFI_AttrType::ARRAY;
+                XLA_FFI_DataType::INVALID
+            }
         };
         n_attrs += 1;
     }
@@ -688,10 +754,10 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
     let mut attr_values: [*mut c_void; N] = [null_mut(); N];
     let mut name_ptrs: [*mut XLA_FFI_ByteSpan; N] = [null_mut(); N];
     for k in 0..n_attrs {
-        attr_values[k] = if kinds[k] == XLA_FFI_AttrType::STRING {
-            (&raw mut string_spans[k]).cast()
-        } else {
-            (&raw mut scalars[k]).cast()
+        attr_values[k] = match kinds[k] {
+            XLA_FFI_AttrType::STRING => (&raw mut string_spans[k]).cast(),
+            XLA_FFI_AttrType::ARRAY => (&raw mut arrays[k]).cast(),
+            _ => (&raw mut scalars[k]).cast(),
         };
         name_ptrs[k] = &raw mut attr_names[k];
     }

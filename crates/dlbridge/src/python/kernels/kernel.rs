@@ -4,7 +4,7 @@
 //! [`xla_capsule`] wraps an XLA FFI handler ([`crate::xla_handler!`]) in the capsule
 //! `jax.ffi.register_ffi_target(name, capsule, platform="cpu")` takes; [`add_kernel`] adds a
 //! `#[pyfunction]` to a module as a `dlbridge.kernels.Kernel` declared by a [`KernelDef`] (its
-//! output rule, scalar attributes, in-place arguments, handler and backward).
+//! output rule, attributes (scalars, strings, arrays), in-place arguments, handler and backward).
 //!
 //! A kernel with a handler is also a native torch op (`native.rs`).
 //!
@@ -22,7 +22,7 @@ use std::ptr::NonNull;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
 
-use super::results::{AttrValue, Attrs, Resolved, ResultDef, resolve, result_shapes};
+use super::results::{AttrKind, Attrs, OwnedAttr, Resolved, ResultDef, resolve, result_shapes};
 use crate::xla_ffi::XLA_FFI_Handler;
 
 /// The capsule name jax's own helpers give handlers (jax reads the pointer whatever the name).
@@ -57,8 +57,14 @@ pub struct KernelDef<'a> {
     /// residual are handed to the backward and never to the caller. Empty: the one result of
     /// [`out`](Self::out). Not with `out` or `mutates`.
     pub results: &'a [ResultDef<'a>],
-    /// Scalar parameters (XLA attributes, static under `jax.jit`) and their numpy type names
-    /// (`"float32"`, `"float64"`, `"int32"`, `"int64"`, `"bool"`); every other parameter is a tensor.
+    /// Attribute parameters (XLA attributes, static under `jax.jit`) and their types: scalars by
+    /// numpy type name (`"float32"`, `"float64"`, `"int32"`, `"int64"`, `"bool"`; torch schema
+    /// `float`, `int`, `bool`), `"str"` (schema `str`; the handler reads `&str`), and arrays
+    /// `"int64[]"`, `"int32[]"`, `"float32[]"`, `"float64[]"`, `"bool[]"` (schema `int[]`,
+    /// `float[]`, `bool[]`; XLA array attributes, the handler reads `&[i64]`, `&[i32]`, `&[f32]`,
+    /// `&[f64]`, `&[bool]`; a results rule reads an array as [`Attrs::i64s`], ...). Every other
+    /// parameter is a tensor. The `#[pyfunction]` gets each value as the caller passed it (a
+    /// `str`; a list or tuple for an array: take `Vec<i64>`, `Vec<f64>`, ...).
     pub attrs: &'a [(&'a str, &'a str)],
     /// Tensor parameters written in place.
     pub mutates: &'a [&'a str],
@@ -94,30 +100,81 @@ impl Default for KernelDef<'_> {
     }
 }
 
+/// Attribute `name`'s Python value `v` as its declared `kind` says (a clear error naming the
+/// attribute, its declared type and the value otherwise).
+fn owned_attr(name: &str, declared: &str, kind: AttrKind, v: &Bound<'_, PyAny>) -> PyResult<OwnedAttr> {
+    let is_bool = |v: &Bound<'_, PyAny>| -> PyResult<bool> {
+        Ok(v.is_instance_of::<pyo3::types::PyBool>() || v.get_type().name()? == "bool")
+    };
+    let is_float = |v: &Bound<'_, PyAny>| v.is_instance_of::<pyo3::types::PyFloat>();
+    let got = || -> PyResult<OwnedAttr> {
+        Ok(match kind {
+            AttrKind::Float => OwnedAttr::Float(v.extract()?),
+            AttrKind::Bool => OwnedAttr::Bool(v.extract()?),
+            AttrKind::Int if is_bool(v)? || is_float(v) => {
+                return Err(pyo3::exceptions::PyTypeError::new_err(""));
+            }
+            AttrKind::Int => OwnedAttr::Int(v.extract()?),
+            AttrKind::Str => OwnedAttr::Str(v.extract()?),
+            AttrKind::Ints | AttrKind::Floats | AttrKind::Bools => {
+                if v.is_instance_of::<pyo3::types::PyString>() {
+                    return Err(pyo3::exceptions::PyTypeError::new_err(""));
+                }
+                let items: Vec<Bound<'_, PyAny>> = v.try_iter()?.collect::<PyResult<_>>()?;
+                match kind {
+                    AttrKind::Ints => {
+                        let mut out = Vec::with_capacity(items.len());
+                        for e in &items {
+                            if is_bool(e)? || is_float(e) {
+                                return Err(pyo3::exceptions::PyTypeError::new_err(""));
+                            }
+                            out.push(e.extract()?);
+                        }
+                        OwnedAttr::Ints(out)
+                    }
+                    AttrKind::Floats => {
+                        OwnedAttr::Floats(items.iter().map(|e| e.extract()).collect::<PyResult<_>>()?)
+                    }
+                    _ => OwnedAttr::Bools(items.iter().map(|e| e.extract()).collect::<PyResult<_>>()?),
+                }
+            }
+        })
+    };
+    got().map_err(|_| {
+        let shown = v.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+        let tp = v.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "attribute {name:?} is declared {declared:?}, but the call passed a {tp} ({shown})"
+        ))
+    })
+}
+
 /// The Python face of the rules, `rule(shapes, dtypes, attrs) -> [(shape, dtype), ...]`
-/// (shapes as tuples, dtypes as numpy names), called by `dlbridge.kernels` when it makes jax's
-/// result types and torch's fake results.
-fn result_rule<'py>(py: Python<'py>, kernel: String, results: Vec<Resolved>) -> PyResult<Bound<'py, PyAny>> {
+/// (shapes as tuples, dtypes as numpy names, each attribute as its declared type reads it: a
+/// number, a `str`, a sequence of numbers for an array), called by `dlbridge.kernels` when it
+/// makes jax's result types and torch's fake results.
+fn result_rule<'py>(
+    py: Python<'py>,
+    kernel: String,
+    results: Vec<Resolved>,
+    declared: Vec<(String, String)>,
+) -> PyResult<Bound<'py, PyAny>> {
     let call = move |args: &Bound<'_, PyTuple>,
                      _kw: Option<&Bound<'_, PyDict>>|
           -> PyResult<Vec<(Vec<i64>, String)>> {
         let (shapes, dtypes, attrs): (Vec<Vec<i64>>, Vec<String>, Bound<'_, PyDict>) = args.extract()?;
-        let names: Vec<String> = attrs.keys().iter().map(|n| n.extract()).collect::<PyResult<_>>()?;
-        let mut a = Attrs::new();
-        for (n, v) in names.iter().zip(attrs.values().iter()) {
-            // bool before int (a Python bool is an int); numpy scalars convert too.
-            let value = if v.is_instance_of::<pyo3::types::PyBool>() || v.get_type().name()? == "bool" {
-                AttrValue::Bool(v.extract()?)
-            } else if let Ok(i) = v.extract::<i64>() {
-                if v.is_instance_of::<pyo3::types::PyFloat>() {
-                    AttrValue::Float(i as f64)
-                } else {
-                    AttrValue::Int(i)
-                }
-            } else {
-                AttrValue::Float(v.extract()?)
-            };
-            a.insert(n, value);
+        let mut owned = Vec::with_capacity(attrs.len());
+        for (n, v) in attrs.iter() {
+            let n: String = n.extract()?;
+            // Only the declared attributes (with their declared types) reach a rule.
+            let Some((_, t)) = declared.iter().find(|(d, _)| *d == n) else { continue };
+            let Some(kind) = AttrKind::of(t) else { continue };
+            let value = owned_attr(&n, t, kind, &v)?;
+            owned.push((n, value));
+        }
+        let mut a = Attrs::with_capacity(owned.len());
+        for (n, v) in &owned {
+            a.insert(n, v.value());
         }
         let views: Vec<&[i64]> = shapes.iter().map(Vec::as_slice).collect();
         let made =
@@ -189,7 +246,8 @@ pub fn add_kernel<'py>(
         let residuals: Vec<&str> = resolved.iter().filter(|r| r.residual).map(|r| r.name.as_str()).collect();
         kw.set_item("results", PyTuple::new(py, names)?)?;
         kw.set_item("residuals", PyTuple::new(py, residuals)?)?;
-        kw.set_item("result_rule", result_rule(py, kname, resolved.clone())?)?;
+        let declared = def.attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect();
+        kw.set_item("result_rule", result_rule(py, kname, resolved.clone(), declared)?)?;
         resolved
     };
     kw.set_item("attrs", PyDict::from_sequence(&def.attrs.to_vec().into_pyobject(py)?)?)?;

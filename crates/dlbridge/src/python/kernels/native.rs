@@ -44,12 +44,43 @@ pub(super) struct NativeDecl {
     pub(super) handler: XLA_FFI_Handler,
 }
 
-/// A scalar parameter's default, as Python gave it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// An attribute parameter's default, as Python gave it.
+#[derive(Debug, Clone, PartialEq)]
 pub(super) enum ScalarDefault {
     Int(i64),
     Float(f64),
     Bool(bool),
+    Str(String),
+    Ints(Vec<i64>),
+    Floats(Vec<f64>),
+    Bools(Vec<bool>),
+}
+
+/// A finite float as the schema writes it.
+fn float_text(v: f64) -> Option<String> {
+    v.is_finite().then(|| format!("{v:?}"))
+}
+
+fn bool_text(v: bool) -> &'static str {
+    if v { "True" } else { "False" }
+}
+
+impl ScalarDefault {
+    /// The value as the schema writes it (`None`: the schema cannot say it).
+    fn text(&self) -> Option<String> {
+        let list = |items: Vec<Option<String>>| -> Option<String> {
+            Some(format!("[{}]", items.into_iter().collect::<Option<Vec<_>>>()?.join(", ")))
+        };
+        match self {
+            Self::Int(v) => Some(v.to_string()),
+            Self::Float(v) => float_text(*v),
+            Self::Bool(v) => Some(bool_text(*v).to_owned()),
+            Self::Str(v) => crate::torch_stable::string_literal(v),
+            Self::Ints(v) => list(v.iter().map(|e| Some(e.to_string())).collect()),
+            Self::Floats(v) => list(v.iter().map(|&e| float_text(e)).collect()),
+            Self::Bools(v) => list(v.iter().map(|&e| Some(bool_text(e).to_owned())).collect()),
+        }
+    }
 }
 
 impl NativeDecl {
@@ -106,12 +137,13 @@ impl NativeDecl {
         };
         let mut texts = Vec::with_capacity(defaults.len());
         for (n, d) in defaults {
-            let text = match *d {
-                ScalarDefault::Int(v) => v.to_string(),
-                ScalarDefault::Float(v) if v.is_finite() => format!("{v:?}"),
-                ScalarDefault::Float(v) => return Err(invalid(format!("default {n}={v} (a finite float)"))),
-                ScalarDefault::Bool(v) => if v { "True" } else { "False" }.to_owned(),
-            };
+            let text = d.text().ok_or_else(|| match d {
+                ScalarDefault::Float(v) => invalid(format!("default {n}={v} (a finite float)")),
+                ScalarDefault::Str(v) => {
+                    invalid(format!("default {n}={v:?} (a string without control characters)"))
+                }
+                _ => invalid(format!("default {n}={d:?} (finite floats)")),
+            })?;
             texts.push((n.as_str(), text));
         }
         let texts: Vec<(&str, &str)> = texts.iter().map(|(n, t)| (*n, t.as_str())).collect();
@@ -154,7 +186,10 @@ impl NativeDecl {
                         AttrType::F32 | AttrType::F64 => AttrValue::Float(args.float(*i)?),
                         AttrType::I32 | AttrType::I64 => AttrValue::Int(args.int(*i)?),
                         AttrType::Bool => AttrValue::Bool(args.bool(*i)?),
-                        AttrType::Str => continue,
+                        AttrType::Str => AttrValue::Str(args.str(*i)?),
+                        AttrType::I64s | AttrType::I32s => AttrValue::Ints(args.int_list(*i)?),
+                        AttrType::F32s | AttrType::F64s => AttrValue::Floats(args.float_list(*i)?),
+                        AttrType::Bools => AttrValue::Bools(args.bool_list(*i)?),
                     };
                     a.insert(n, v);
                 }
@@ -253,11 +288,15 @@ pub(super) fn registrar<'py>(
             else {
                 return Ok(Some(format!("default of {n}: not a scalar attribute")));
             };
+            // (A str is no sequence of str here: extract::<Vec<_>> refuses a str.)
             let d = match t {
                 AttrType::F32 | AttrType::F64 => v.extract::<f64>().map(ScalarDefault::Float),
                 AttrType::I32 | AttrType::I64 => v.extract::<i64>().map(ScalarDefault::Int),
                 AttrType::Bool => v.extract::<bool>().map(ScalarDefault::Bool),
-                AttrType::Str => return Ok(Some(format!("default of {n}: a string"))),
+                AttrType::Str => v.extract::<String>().map(ScalarDefault::Str),
+                AttrType::I64s | AttrType::I32s => v.extract::<Vec<i64>>().map(ScalarDefault::Ints),
+                AttrType::F32s | AttrType::F64s => v.extract::<Vec<f64>>().map(ScalarDefault::Floats),
+                AttrType::Bools => v.extract::<Vec<bool>>().map(ScalarDefault::Bools),
             };
             match d {
                 Ok(d) => ds.push((n, d)),
@@ -329,6 +368,42 @@ mod tests {
     }
 
     #[test]
+    fn string_and_array_attributes_and_their_defaults_make_the_schema() {
+        let d = decl(
+            Some("x"),
+            &[
+                ("mode", "str"),
+                ("axes", "int64[]"),
+                ("narrow", "int32[]"),
+                ("w", "float32[]"),
+                ("m", "bool[]"),
+            ],
+            &[],
+        );
+        let defaults = [
+            ("mode".to_owned(), ScalarDefault::Str("s\"u\\m".into())),
+            ("axes".to_owned(), ScalarDefault::Ints(vec![0, -1])),
+            ("w".to_owned(), ScalarDefault::Floats(vec![0.5, 2.0])),
+            ("m".to_owned(), ScalarDefault::Bools(vec![])),
+        ];
+        let op = d.op("k", &params(&["x", "mode", "axes", "narrow", "w", "m"]), &defaults).unwrap();
+        assert_eq!(
+            op.signature.schema().unwrap(),
+            "k(Tensor x, str mode=\"s\\\"u\\\\m\", int[] axes=[0, -1], int[] narrow, float[] w=[0.5, 2.0], bool[] m=[]) -> Tensor"
+        );
+        assert_eq!(
+            op.attrs,
+            &[
+                ("mode", AttrType::Str),
+                ("axes", AttrType::I64s),
+                ("narrow", AttrType::I32s),
+                ("w", AttrType::F32s),
+                ("m", AttrType::Bools)
+            ]
+        );
+    }
+
+    #[test]
     fn several_results_make_a_tuple_schema_and_a_rule_output() {
         use super::super::results::{ResultDType, ResultDef, resolve};
         fn rows(s: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
@@ -356,6 +431,15 @@ mod tests {
         assert!(e.is_unsupported() && e.to_string().contains("default a=inf"), "{e}");
         let e = d.op("k", &params(&["x"]), &[]).unwrap_err();
         assert!(e.to_string().contains("a is not a parameter"), "{e}");
+        let d = decl(Some("x"), &[("m", "str"), ("s", "float64[]")], &[]);
+        let e = d
+            .op("k", &params(&["x", "m", "s"]), &[("m".into(), ScalarDefault::Str("a\nb".into()))])
+            .unwrap_err();
+        assert!(e.is_unsupported() && e.to_string().contains("without control characters"), "{e}");
+        let e = d
+            .op("k", &params(&["x", "m", "s"]), &[("s".into(), ScalarDefault::Floats(vec![1.0, f64::NAN]))])
+            .unwrap_err();
+        assert!(e.is_unsupported() && e.to_string().contains("finite floats"), "{e}");
         let e = decl(Some("z"), &[], &[]).op("k", &params(&["x"]), &[]).unwrap_err();
         assert!(e.to_string().contains("out=\"z\" is not a parameter"), "{e}");
     }

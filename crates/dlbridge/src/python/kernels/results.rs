@@ -5,22 +5,31 @@
 
 use crate::DataType;
 
-/// A scalar attribute's value, as a result's shape rule reads it.
+/// An attribute's value, as a result's shape rule reads it (borrowed from the call being traced
+/// or run).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum AttrValue {
+pub enum AttrValue<'a> {
     /// A `float32` or `float64` attribute.
     Float(f64),
     /// An `int32` or `int64` attribute.
     Int(i64),
     /// A `bool` attribute.
     Bool(bool),
+    /// A `str` attribute.
+    Str(&'a str),
+    /// An `int32[]` or `int64[]` attribute.
+    Ints(&'a [i64]),
+    /// A `float32[]` or `float64[]` attribute.
+    Floats(&'a [f64]),
+    /// A `bool[]` attribute.
+    Bools(&'a [bool]),
 }
 
-/// The kernel's scalar attributes by name, as a [`ShapeFn`] reads them (the values of the call
-/// being traced or run).
+/// The kernel's attributes by name, as a [`ShapeFn`] reads them (the values of the call being
+/// traced or run).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Attrs<'a> {
-    values: Vec<(&'a str, AttrValue)>,
+    values: Vec<(&'a str, AttrValue<'a>)>,
 }
 
 impl<'a> Attrs<'a> {
@@ -35,7 +44,7 @@ impl<'a> Attrs<'a> {
     }
 
     /// Adds attribute `name` (a later value of the same name replaces it).
-    pub fn insert(&mut self, name: &'a str, value: AttrValue) {
+    pub fn insert(&mut self, name: &'a str, value: AttrValue<'a>) {
         match self.values.iter_mut().find(|(n, _)| *n == name) {
             Some(slot) => slot.1 = value,
             None => self.values.push((name, value)),
@@ -43,7 +52,7 @@ impl<'a> Attrs<'a> {
     }
 
     /// Attribute `name`, if the kernel has it.
-    pub fn get(&self, name: &str) -> Option<AttrValue> {
+    pub fn get(&self, name: &str) -> Option<AttrValue<'a>> {
         self.values.iter().find(|(n, _)| *n == name).map(|&(_, v)| v)
     }
 
@@ -73,6 +82,94 @@ impl<'a> Attrs<'a> {
         match self.get(name) {
             Some(AttrValue::Bool(v)) => Ok(v),
             _ => Err(Self::missing(name, "bool")),
+        }
+    }
+
+    /// A `str` attribute.
+    pub fn str(&self, name: &str) -> Result<&'a str, String> {
+        match self.get(name) {
+            Some(AttrValue::Str(v)) => Ok(v),
+            _ => Err(Self::missing(name, "str")),
+        }
+    }
+
+    /// An `int32[]` or `int64[]` attribute (e.g. a reduction's axes).
+    pub fn i64s(&self, name: &str) -> Result<&'a [i64], String> {
+        match self.get(name) {
+            Some(AttrValue::Ints(v)) => Ok(v),
+            _ => Err(Self::missing(name, "int array")),
+        }
+    }
+
+    /// A `float32[]` or `float64[]` attribute.
+    pub fn f64s(&self, name: &str) -> Result<&'a [f64], String> {
+        match self.get(name) {
+            Some(AttrValue::Floats(v)) => Ok(v),
+            _ => Err(Self::missing(name, "float array")),
+        }
+    }
+
+    /// A `bool[]` attribute.
+    pub fn bools(&self, name: &str) -> Result<&'a [bool], String> {
+        match self.get(name) {
+            Some(AttrValue::Bools(v)) => Ok(v),
+            _ => Err(Self::missing(name, "bool array")),
+        }
+    }
+}
+
+/// What an attribute's declared type (`KernelDef.attrs`) gives a rule: the [`AttrValue`] variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum AttrKind {
+    Float,
+    Int,
+    Bool,
+    Str,
+    Ints,
+    Floats,
+    Bools,
+}
+
+impl AttrKind {
+    /// The kind of a declared type name (`"float32"`, `"int64[]"`, `"str"`, ...), `None` for
+    /// another.
+    pub(super) fn of(name: &str) -> Option<Self> {
+        Some(match name {
+            "float32" | "float64" => Self::Float,
+            "int32" | "int64" => Self::Int,
+            "bool" => Self::Bool,
+            "str" => Self::Str,
+            "int32[]" | "int64[]" => Self::Ints,
+            "float32[]" | "float64[]" => Self::Floats,
+            "bool[]" => Self::Bools,
+            _ => return None,
+        })
+    }
+}
+
+/// An attribute's value owned (read from Python), lent to a rule as an [`AttrValue`].
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum OwnedAttr {
+    Float(f64),
+    Int(i64),
+    Bool(bool),
+    Str(String),
+    Ints(Vec<i64>),
+    Floats(Vec<f64>),
+    Bools(Vec<bool>),
+}
+
+impl OwnedAttr {
+    /// The value as a rule reads it.
+    pub(super) fn value(&self) -> AttrValue<'_> {
+        match self {
+            Self::Float(v) => AttrValue::Float(*v),
+            Self::Int(v) => AttrValue::Int(*v),
+            Self::Bool(v) => AttrValue::Bool(*v),
+            Self::Str(v) => AttrValue::Str(v),
+            Self::Ints(v) => AttrValue::Ints(v),
+            Self::Floats(v) => AttrValue::Floats(v),
+            Self::Bools(v) => AttrValue::Bools(v),
         }
     }
 }
@@ -317,5 +414,16 @@ mod tests {
         assert_eq!((a.f64("f"), a.f64("n"), a.i64("n"), a.bool("b")), (Ok(0.5), Ok(3.0), Ok(3), Ok(true)));
         assert_eq!(a.i64("f").unwrap_err(), "attribute f: no int attribute of that name");
         assert_eq!(a.get("zz"), None);
+        let (axes, scale, mask) = (vec![0i64, -1], vec![0.5f64], vec![true]);
+        a.insert("mode", AttrValue::Str("sum"));
+        a.insert("axes", AttrValue::Ints(&axes));
+        a.insert("scale", AttrValue::Floats(&scale));
+        a.insert("mask", AttrValue::Bools(&mask));
+        assert_eq!(a.str("mode"), Ok("sum"));
+        assert_eq!(a.i64s("axes"), Ok(&[0i64, -1][..]));
+        assert_eq!(a.f64s("scale"), Ok(&[0.5][..]));
+        assert_eq!(a.bools("mask"), Ok(&[true][..]));
+        assert_eq!(a.i64s("mode").unwrap_err(), "attribute mode: no int array attribute of that name");
+        assert_eq!(a.str("axes").unwrap_err(), "attribute axes: no str attribute of that name");
     }
 }
