@@ -117,6 +117,10 @@ _PENDING_JAX: list[Kernel] = []
 # torch op: its ffi capsule -> the private Rust function that defines the op through torch's
 # stable C ABI, called once, when the kernel's torch op is made (see _native_torch_op).
 _NATIVE_OPS: dict[Any, Callable[..., str | None]] = {}
+# A kernel declared from Rust whose XLA handler makes a state at XLA's instantiate stage
+# (xla_handler!'s `state:`): its ffi capsule -> the stage bundle jax registers instead,
+# {"instantiate": capsule, "execute": capsule} (dlbridge::python::add_kernel sets it).
+_FFI_BUNDLES: dict[Any, dict[str, Any]] = {}
 
 
 def _no_grad_mode() -> bool:
@@ -1139,7 +1143,7 @@ class Kernel:
 
     def _register_jax_target(self, jax: Any) -> None:
         if self._target not in _JAX_TARGETS:
-            jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
+            jax.ffi.register_ffi_target(self._target, _FFI_BUNDLES.get(self._ffi, self._ffi), platform="cpu")
             _JAX_TARGETS[self._target] = self._ffi
 
     def _jax_ffi(self, jax: Any, attrs: tuple[tuple[str, Any], ...], tensors: Sequence[Any]) -> Any:

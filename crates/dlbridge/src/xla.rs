@@ -168,6 +168,7 @@ pub struct Signature {
     operands: usize,
     results: usize,
     attrs: &'static [&'static str],
+    state: Option<StateDecl>,
 }
 
 impl Signature {
@@ -188,7 +189,19 @@ impl Signature {
             }
             i += 1;
         }
-        Self { operands, results, attrs }
+        Self { operands, results, attrs, state: None }
+    }
+
+    /// This signature with a state, made once when XLA instantiates the handler
+    /// ([`Call::state`]).
+    pub const fn with_state(mut self, state: StateDecl) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// The state the handler declares, if any.
+    pub const fn state(&self) -> Option<StateDecl> {
+        self.state
     }
 
     /// The number of operands.
@@ -308,7 +321,47 @@ const _: () = {
     assert!(size_of::<Option<XLA_FFI_DeviceOrdinal_Get>>() == size_of::<*const c_void>());
 };
 
+mod pool;
+mod scratch;
+mod state;
+
+pub use pool::ThreadPool;
+pub use state::StateDecl;
+
 impl Api<'_> {
+    /// Turns an error XLA's own function returned into an [`FfiError`] (and frees it).
+    fn check(self, err: *mut XLA_FFI_Error, what: &str) -> Result<()> {
+        if err.is_null() {
+            return Ok(());
+        }
+        let mut message = format!("{what}: XLA reported an error");
+        if let Some(get) = api_field!(self, XLA_FFI_Error_GetMessage) {
+            let mut args = XLA_FFI_Error_GetMessage_Args {
+                struct_size: XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE,
+                extension_start: std::ptr::null_mut(),
+                error: err,
+                message: std::ptr::null(),
+            };
+            // SAFETY: XLA's function and XLA's error.
+            unsafe { get(&mut args) };
+            if !args.message.is_null() {
+                // SAFETY: a NUL-terminated message owned by the error, read before it is freed.
+                let m = unsafe { std::ffi::CStr::from_ptr(args.message) };
+                message = format!("{what}: {}", m.to_string_lossy());
+            }
+        }
+        if let Some(destroy) = api_field!(self, XLA_FFI_Error_Destroy) {
+            let mut args = XLA_FFI_Error_Destroy_Args {
+                struct_size: XLA_FFI_Error_Destroy_Args_STRUCT_SIZE,
+                extension_start: std::ptr::null_mut(),
+                error: err,
+            };
+            // SAFETY: XLA's function and XLA's error, freed once.
+            unsafe { destroy(&mut args) };
+        }
+        Err(FfiError::new(XLA_FFI_Error_Code::INTERNAL, message))
+    }
+
     /// No table: nothing can be read or reported.
     const NONE: Self = Self { table: std::ptr::null(), size: 0, _frame: PhantomData };
 
@@ -394,7 +447,7 @@ where
             // The metadata query: answered without the API table (some XLA builds send none);
             // only its errors need one.
             // SAFETY: an extension chain (the C API's contract).
-            if let Some(answer) = unsafe { metadata_query(api, name, ext) } {
+            if let Some(answer) = unsafe { metadata_query(api, name, ext, signature.state.is_some()) } {
                 return answer;
             }
         }
@@ -410,6 +463,15 @@ where
     }
     // SAFETY: covered by the frame's size (checked just above).
     let stage = unsafe { (&raw const (*frame).stage).read() };
+    if stage == XLA_FFI_ExecutionStage::INSTANTIATE {
+        // SAFETY: covered by the frame's size (checked above).
+        let ctx = unsafe { (&raw const (*frame).ctx).read() };
+        return match catch_unwind(AssertUnwindSafe(|| state::instantiate(api, ctx, signature.state))) {
+            Ok(Ok(())) => std::ptr::null_mut(),
+            Ok(Err(e)) => refuse(api, name, FrameFault::Body(e)),
+            Err(panic) => refuse(api, name, FrameFault::Panic(panic)),
+        };
+    }
     if stage != XLA_FFI_ExecutionStage::EXECUTE {
         return refuse(api, name, FrameFault::Stage(stage.0));
     }
@@ -451,7 +513,7 @@ fn refuse(api: Api<'_>, name: &str, fault: FrameFault) -> *mut XLA_FFI_Error {
         ),
         FrameFault::Stage(stage) => (
             XLA_FFI_Error_Code::INVALID_ARGUMENT,
-            format!("called at execution stage {stage} (an execute handler)"),
+            format!("called at execution stage {stage} (a handler runs at instantiate and execute)"),
         ),
         FrameFault::Body(e) => (e.code(), e.0.message),
         FrameFault::Panic(panic) => {
@@ -481,6 +543,7 @@ unsafe fn metadata_query(
     api: Api<'_>,
     name: &str,
     mut ext: *mut XLA_FFI_Extension_Base,
+    stateful: bool,
 ) -> Option<*mut XLA_FFI_Error> {
     for _ in 0..MAX_EXTENSIONS {
         if ext.is_null() {
@@ -503,7 +566,12 @@ unsafe fn metadata_query(
         let (kind, next) = unsafe { ((&raw const (*ext).type_).read(), (&raw const (*ext).next).read()) };
         if kind == XLA_FFI_Extension_Type::METADATA {
             // SAFETY: a metadata extension (its type says so), checked for size before use.
-            return Some(unsafe { write_metadata(api, name, ext.cast()) });
+            let answer = unsafe { write_metadata(api, name, ext.cast()) };
+            if answer.is_null() {
+                // SAFETY: the rest of the same chain.
+                unsafe { answer_stages_query(next, stateful) };
+            }
+            return Some(answer);
         }
         ext = next;
     }
@@ -558,6 +626,130 @@ unsafe fn write_metadata(
         (&raw mut (*metadata).traits).write(0);
     }
     std::ptr::null_mut()
+}
+
+/// dlbridge's own extension type, chained after the metadata extension of a metadata query by
+/// [`needs_instantiate`] only (XLA never sends it; a handler that does not know it skips it, as
+/// every unknown extension).
+const STAGES_QUERY: XLA_FFI_Extension_Type = XLA_FFI_Extension_Type(0x646c_6273);
+/// The stages query's mark (a chain link of another origin that happens to use the same type
+/// number is not answered).
+const STAGES_MAGIC: u64 = 0x646c_6272_6964_6765;
+
+/// dlbridge's stages query: which stages a handler runs.
+#[repr(C)]
+struct StagesQuery {
+    base: XLA_FFI_Extension_Base,
+    magic: u64,
+    /// Out: 1 when the handler makes a state at the instantiate stage.
+    instantiate: u8,
+}
+
+/// Answers the stages query if it follows in the chain `ext`.
+///
+/// # Safety
+///
+/// `ext` is NULL or a link of an extension chain (each link of at least the size it declares).
+unsafe fn answer_stages_query(mut ext: *mut XLA_FFI_Extension_Base, stateful: bool) {
+    for _ in 0..MAX_EXTENSIONS {
+        if ext.is_null() || !ext.is_aligned() {
+            return;
+        }
+        // SAFETY: an extension (the caller's contract); its size is read first.
+        let size = unsafe { (&raw const (*ext).struct_size).read() };
+        if size < XLA_FFI_Extension_Base_STRUCT_SIZE {
+            return;
+        }
+        // SAFETY: covered by the size just checked.
+        let (kind, next) = unsafe { ((&raw const (*ext).type_).read(), (&raw const (*ext).next).read()) };
+        if kind == STAGES_QUERY && size >= size_of::<StagesQuery>() {
+            let q = ext.cast::<StagesQuery>();
+            // SAFETY: a link of at least a StagesQuery's size (checked), aligned as its head.
+            if q.is_aligned() && unsafe { (&raw const (*q).magic).read() } == STAGES_MAGIC {
+                // SAFETY: as above.
+                unsafe { (&raw mut (*q).instantiate).write(u8::from(stateful)) };
+            }
+            return;
+        }
+        ext = next;
+    }
+}
+
+/// Whether `handler` must also be registered for XLA's instantiate stage: a handler of
+/// [`xla_handler!`](crate::xla_handler) that declares a `state` (made there, [`Call::state`]).
+/// `jax.ffi.register_ffi_target(name, {"instantiate": capsule, "execute": capsule})` registers
+/// both stages with the one function; `dlbridge.kernels` (add_kernel) does it for such handlers.
+/// `false` for any other handler (another origin's too: it answers only XLA's part of the query).
+///
+/// # Safety
+///
+/// `handler` is an XLA FFI handler: it answers XLA's metadata query (the call frame XLA sends
+/// at registration, with no API table), as every handler XLA registers must.
+pub unsafe fn needs_instantiate(handler: XLA_FFI_Handler) -> bool {
+    let mut stages = StagesQuery {
+        base: XLA_FFI_Extension_Base {
+            struct_size: size_of::<StagesQuery>(),
+            type_: STAGES_QUERY,
+            next: std::ptr::null_mut(),
+        },
+        magic: STAGES_MAGIC,
+        instantiate: 0,
+    };
+    // XLA's own query: metadata of XLA_FFI_Metadata_STRUCT_SIZE bytes, no API table, no context.
+    let mut metadata = XLA_FFI_Metadata {
+        struct_size: XLA_FFI_Metadata_STRUCT_SIZE,
+        api_version: XLA_FFI_Api_Version {
+            struct_size: XLA_FFI_Api_Version_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            major_version: 0,
+            minor_version: 0,
+        },
+        traits: 0,
+        state_type_id: XLA_FFI_TypeId { type_id: 0 },
+    };
+    let mut ext = XLA_FFI_Metadata_Extension {
+        extension_base: XLA_FFI_Extension_Base {
+            struct_size: XLA_FFI_Metadata_Extension_STRUCT_SIZE,
+            type_: XLA_FFI_Extension_Type::METADATA,
+            next: (&raw mut stages).cast(),
+        },
+        metadata: &raw mut metadata,
+    };
+    let mut frame = XLA_FFI_CallFrame {
+        struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
+        extension_start: (&raw mut ext).cast(),
+        api: std::ptr::null(),
+        ctx: std::ptr::null_mut(),
+        stage: XLA_FFI_ExecutionStage::EXECUTE,
+        args: XLA_FFI_Args {
+            struct_size: XLA_FFI_Args_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: 0,
+            types: std::ptr::null_mut(),
+            args: std::ptr::null_mut(),
+        },
+        rets: XLA_FFI_Rets {
+            struct_size: XLA_FFI_Rets_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: 0,
+            types: std::ptr::null_mut(),
+            rets: std::ptr::null_mut(),
+        },
+        attrs: XLA_FFI_Attrs {
+            struct_size: XLA_FFI_Attrs_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: 0,
+            types: std::ptr::null_mut(),
+            names: std::ptr::null_mut(),
+            attrs: std::ptr::null_mut(),
+        },
+        future: std::ptr::null_mut(),
+    };
+    // SAFETY: the caller's contract: XLA's metadata query, which every handler answers; the
+    // stages link after it is skipped by a handler that does not know it. An error (which no
+    // API table can free) is left alone.
+    let err = unsafe { handler(&mut frame) };
+    err.is_null() && stages.instantiate == 1
 }
 
 /// One checked list of the frame (operands or results): its entries and their kinds.
@@ -619,6 +811,8 @@ fn list_error(what: &str, fault: ListFault) -> FfiError {
 pub struct Call<'a> {
     api: Api<'a>,
     ctx: *mut XLA_FFI_ExecutionContext,
+    state: Option<StateDecl>,
+    scratch: scratch::Arena,
     args: List<'a>,
     rets: List<'a>,
     attr_kinds: &'a [i32],
@@ -679,6 +873,8 @@ impl<'a> Call<'a> {
             api,
             // SAFETY: below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's contract).
             ctx: unsafe { (&raw const (*frame).ctx).read() },
+            state: signature.state,
+            scratch: scratch::Arena::default(),
             args,
             rets,
             attr_kinds: attrs.kinds,
@@ -945,35 +1141,37 @@ impl<'a> Call<'a> {
 
     /// Turns an error XLA's own function returned into an [`FfiError`] (and frees it).
     fn check(&self, err: *mut XLA_FFI_Error, what: &str) -> Result<()> {
-        if err.is_null() {
-            return Ok(());
-        }
-        let mut message = format!("{what}: XLA reported an error");
-        if let Some(get) = api_field!(self.api, XLA_FFI_Error_GetMessage) {
-            let mut args = XLA_FFI_Error_GetMessage_Args {
-                struct_size: XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE,
-                extension_start: std::ptr::null_mut(),
-                error: err,
-                message: std::ptr::null(),
-            };
-            // SAFETY: XLA's function and XLA's error.
-            unsafe { get(&mut args) };
-            if !args.message.is_null() {
-                // SAFETY: a NUL-terminated message owned by the error, read before it is freed.
-                let m = unsafe { std::ffi::CStr::from_ptr(args.message) };
-                message = format!("{what}: {}", m.to_string_lossy());
-            }
-        }
-        if let Some(destroy) = api_field!(self.api, XLA_FFI_Error_Destroy) {
-            let mut args = XLA_FFI_Error_Destroy_Args {
-                struct_size: XLA_FFI_Error_Destroy_Args_STRUCT_SIZE,
-                extension_start: std::ptr::null_mut(),
-                error: err,
-            };
-            // SAFETY: XLA's function and XLA's error, freed once.
-            unsafe { destroy(&mut args) };
-        }
-        Err(FfiError::new(XLA_FFI_Error_Code::INTERNAL, message))
+        self.api.check(err, what)
+    }
+
+    /// The state made when XLA instantiated this handler (once per compiled executable that
+    /// calls it), declared in [`xla_handler!`](crate::xla_handler) as `state: Type = init`.
+    /// Shared by every call of that executable, from any thread: `Type` is `Send + Sync`, and
+    /// interior mutability (atomics, locks) is how a call changes it.
+    ///
+    /// An error when the handler declares no state or another type, or when none was made:
+    /// XLA runs the instantiate stage only for a handler registered for it
+    /// (`jax.ffi.register_ffi_target(name, {"instantiate": capsule, "execute": capsule})`, which
+    /// [`add_kernel`](crate::python::add_kernel) does for a handler with a state). As a native
+    /// torch op, the state is made at the op's first call and kept for the process.
+    pub fn state<T: std::any::Any + Send + Sync>(&self) -> Result<&T> {
+        state::get::<T>(self.api, self.ctx, self.state)
+    }
+
+    /// `n` elements of `T`, each `T::default()`, to use during the call: freed when the call
+    /// returns. XLA's CPU runtime has no allocator for a handler (its
+    /// `XLA_FFI_DeviceMemory_Allocate` serves GPU contexts only), so this is a Rust allocation,
+    /// on the torch op path too. `RESOURCE_EXHAUSTED` when it cannot be made.
+    pub fn scratch<T: Copy + Default>(&self, n: usize) -> Result<&mut [T]> {
+        self.scratch.alloc::<T>(n)
+    }
+
+    /// XLA's intra-op thread pool for a parallel loop ([`ThreadPool::parallel_for`],
+    /// [`ThreadPool::for_each_chunk_mut`]), which returns once every item has finished. Where
+    /// XLA lends none (a context without a pool, an older API table, a native torch op), the
+    /// loop runs on the calling thread alone.
+    pub fn thread_pool(&self) -> ThreadPool<'_> {
+        ThreadPool::new(self.api, self.ctx)
     }
 }
 
@@ -1387,17 +1585,19 @@ const _: Order = Order::C;
 #[macro_export]
 macro_rules! xla_handler {
     ($(#[$m:meta])* $vis:vis fn $name:ident(
-        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])? $(,)?
+        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
+        $(, state: $sty:ty = $sinit:expr)? $(,)?
     ) $body:block) => {
-        $crate::xla_handler!(@emit handle, ($n, $r, [$($($a),*)?]), $(#[$m])* $vis fn $name($call) $body);
+        $crate::xla_handler!(@emit handle, ($n, $r, [$($($a),*)?], [$($sty, $sinit)?]), $(#[$m])* $vis fn $name($call) $body);
     };
     ($(#[$m:meta])* $vis:vis cuda fn $name:ident(
-        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])? $(,)?
+        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
+        $(, state: $sty:ty = $sinit:expr)? $(,)?
     ) $body:block) => {
-        $crate::xla_handler!(@emit handle_cuda, ($n, $r, [$($($a),*)?]), $(#[$m])* $vis fn $name($call) $body);
+        $crate::xla_handler!(@emit handle_cuda, ($n, $r, [$($($a),*)?], [$($sty, $sinit)?]), $(#[$m])* $vis fn $name($call) $body);
     };
     // One expansion for both platforms: `$handle` is `xla::handle` or `xla::handle_cuda`.
-    (@emit $handle:ident, ($n:expr, $r:expr, [$($a:expr),*]), $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
+    (@emit $handle:ident, ($n:expr, $r:expr, [$($a:expr),*], [$($sty:ty, $sinit:expr)?]), $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
         $(#[$m])*
         ///
         /// # Safety
@@ -1408,7 +1608,15 @@ macro_rules! xla_handler {
         ) -> *mut $crate::xla_ffi::XLA_FFI_Error {
             // What the body reads, checked against the call before it runs (evaluated at compile
             // time: an attribute named twice does not compile).
-            const SIGNATURE: $crate::xla::Signature = $crate::xla::Signature::new($n, $r, &[$($a),*]);
+            $(
+                // The state, made at XLA's instantiate stage (once per compiled executable).
+                fn make_state() -> ::std::boxed::Box<dyn ::std::any::Any + ::core::marker::Send + ::core::marker::Sync> {
+                    let state: $sty = $sinit;
+                    ::std::boxed::Box::new(state)
+                }
+            )?
+            const SIGNATURE: $crate::xla::Signature = $crate::xla::Signature::new($n, $r, &[$($a),*])
+                $(.with_state($crate::xla::StateDecl::new::<$sty>(make_state)))?;
             // The body is a safe fn of its own (not code inside this unsafe fn or an unsafe block):
             // an unsafe call in it needs its own `unsafe` block and SAFETY line.
             fn body($call: &mut $crate::xla::Call<'_>) -> $crate::xla::Result<()> {

@@ -208,8 +208,24 @@ pub fn add_kernel<'py>(
     #[cfg(not(all(feature = "torch-stable", unix)))]
     let _ = &resolved;
     #[cfg(not(all(feature = "torch-stable", unix)))]
-    if let Some(h) = def.ffi {
-        kw.set_item("ffi", xla_capsule(py, h)?)?;
+    let native = match def.ffi {
+        Some(h) => {
+            let capsule = xla_capsule(py, h)?;
+            kw.set_item("ffi", &capsule)?;
+            Some(capsule)
+        }
+        None => None,
+    };
+    if let (Some(h), Some(capsule)) = (def.ffi, &native)
+        // SAFETY: `ffi` is an XLA FFI handler (its documented contract), which answers XLA's
+        // metadata query as jax's registration makes it do.
+        && unsafe { crate::xla::needs_instantiate(h) }
+    {
+        // Its state is made at XLA's instantiate stage: registered for that stage too.
+        let bundle = PyDict::new(py);
+        bundle.set_item("instantiate", capsule)?;
+        bundle.set_item("execute", capsule)?;
+        kernels.getattr("_FFI_BUNDLES")?.set_item(capsule, bundle)?;
     }
     kw.set_item("backward", backward)?;
     kw.set_item("jvp", def.jvp)?;
@@ -221,6 +237,9 @@ pub fn add_kernel<'py>(
     if let (Err(_), Some(capsule)) = (&kernel, &native) {
         // The declaration was refused: its registrar goes too.
         kernels.getattr("_NATIVE_OPS")?.call_method1("pop", (capsule, py.None()))?;
+    }
+    if let (Err(_), Some(capsule)) = (&kernel, &native) {
+        kernels.getattr("_FFI_BUNDLES")?.call_method1("pop", (capsule, py.None()))?;
     }
     let kernel = kernel?;
     let name: String = kernel.getattr("__name__")?.extract()?;
