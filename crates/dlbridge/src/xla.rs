@@ -813,6 +813,7 @@ pub struct Call<'a> {
     ctx: *mut XLA_FFI_ExecutionContext,
     state: Option<StateDecl>,
     scratch: scratch::Arena,
+    device_scratch: scratch::DeviceArena<'a>,
     args: List<'a>,
     rets: List<'a>,
     attr_kinds: &'a [i32],
@@ -875,6 +876,8 @@ impl<'a> Call<'a> {
             ctx: unsafe { (&raw const (*frame).ctx).read() },
             state: signature.state,
             scratch: scratch::Arena::default(),
+            // SAFETY: below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's contract).
+            device_scratch: scratch::DeviceArena::new(api, unsafe { (&raw const (*frame).ctx).read() }),
             args,
             rets,
             attr_kinds: attrs.kinds,
@@ -1164,6 +1167,16 @@ impl<'a> Call<'a> {
     /// on the torch op path too. `RESOURCE_EXHAUSTED` when it cannot be made.
     pub fn scratch<T: Copy + Default>(&self, n: usize) -> Result<&mut [T]> {
         self.scratch.alloc::<T>(n)
+    }
+
+    /// `bytes` bytes of device memory aligned to `align` (a power of two, at most 16 for XLA),
+    /// from XLA's allocator for the call's device (`XLA_FFI_DeviceMemory_Allocate`), given back
+    /// when the call returns: scratch for a CUDA handler's kernels (queued on
+    /// [`stream`](Self::stream)). XLA's CPU runtime has none (an error; use
+    /// [`scratch`](Self::scratch)). The pointer is the handler's to pass to device code, never
+    /// read here.
+    pub fn device_scratch(&self, bytes: usize, align: usize) -> Result<*mut c_void> {
+        self.device_scratch.alloc(bytes, align)
     }
 
     /// XLA's intra-op thread pool for a parallel loop ([`ThreadPool::parallel_for`],

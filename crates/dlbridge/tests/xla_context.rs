@@ -217,8 +217,8 @@ fn api() -> XLA_FFI_Api {
         XLA_FFI_ExecutionContext_Get: null(),
         XLA_FFI_State_Set: Some(state_set),
         XLA_FFI_State_Get: Some(state_get),
-        XLA_FFI_DeviceMemory_Allocate: None,
-        XLA_FFI_DeviceMemory_Free: None,
+        XLA_FFI_DeviceMemory_Allocate: Some(device_allocate),
+        XLA_FFI_DeviceMemory_Free: Some(device_free),
         XLA_FFI_ThreadPool_Schedule: Some(schedule),
         XLA_FFI_ThreadPool_NumThreads: Some(num_threads),
         XLA_FFI_Future_Create: null(),
@@ -380,6 +380,13 @@ dlbridge::xla_handler! {
         o.copy_from_slice(scratch);
         o[0] = info as u64;
         Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// A loop of more items than a counter can pass safely: refused before any runs.
+    fn pool_too_long(call, operands: 0, results: 1) {
+        call.thread_pool().parallel_for(usize::MAX, |_| panic!("never run"))
     }
 }
 
@@ -586,5 +593,98 @@ fn a_panic_in_an_item_is_an_error_of_the_call() {
         run_later();
         assert_eq!(code, XLA_FFI_Error_Code::INTERNAL);
         assert!(m.contains("pool_panics: a thread pool task panicked: item 5 failed"), "{m}");
+        let (code, m) = call(pool_too_long, &api, &c, EXECUTE, &mut [0]).unwrap_err();
+        assert_eq!(code, XLA_FFI_Error_Code::INVALID_ARGUMENT);
+        assert!(m.contains("a loop of 18446744073709551615 items"), "{m}");
     }
+}
+
+// --- device scratch (XLA's allocator) ---
+
+/// Blocks the fake allocator lent and not yet got back: (address, layout).
+static LENT: Mutex<Vec<(usize, std::alloc::Layout)>> = Mutex::new(Vec::new());
+static FREED: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn device_allocate(args: *mut XLA_FFI_DeviceMemory_Allocate_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid arguments (the handler layer's).
+    let a = unsafe { &mut *args };
+    assert!(a.struct_size >= XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE);
+    if a.size > 1 << 20 {
+        return fake_error(XLA_FFI_Error_Code::RESOURCE_EXHAUSTED, "Out of memory");
+    }
+    let layout = std::alloc::Layout::from_size_align(a.size.max(1), a.alignment).unwrap();
+    // SAFETY: a layout of non-zero size.
+    let block = unsafe { std::alloc::alloc(layout) };
+    assert!(!block.is_null());
+    a.data = block.cast();
+    LENT.lock().unwrap().push((block as usize, layout));
+    null_mut()
+}
+
+unsafe extern "C" fn device_free(args: *mut XLA_FFI_DeviceMemory_Free_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: valid arguments (the handler layer's).
+    let a = unsafe { &*args };
+    let mut lent = LENT.lock().unwrap();
+    let i = lent
+        .iter()
+        .position(|&(p, l)| p == a.data as usize && l.size() == a.size.max(1))
+        .expect("a lent block, once");
+    let (_, layout) = lent.remove(i);
+    // SAFETY: the block device_allocate allocated with this layout, freed once.
+    unsafe { std::alloc::dealloc(a.data.cast(), layout) };
+    FREED.fetch_add(1, Ordering::SeqCst);
+    null_mut()
+}
+
+dlbridge::xla_handler! {
+    /// Takes two blocks of device scratch and writes into them (as its device code would).
+    fn device_scratch(call, operands: 0, results: 1) {
+        let a = call.device_scratch(64, 16)?;
+        let b = call.device_scratch(8, 8)?;
+        // SAFETY: 64 and 8 bytes the fake allocator lent for the call (host memory here).
+        unsafe {
+            a.cast::<u8>().write_bytes(7, 64);
+            b.cast::<u64>().write(9);
+        }
+        call.output::<u64, Rank<1>>(0, "out")?.as_slice_mut()?[0] = 2;
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Asks for device scratch it cannot get, after one block it can.
+    fn device_scratch_refused(call, operands: 0, results: 1) {
+        call.device_scratch(16, 16)?;
+        match call.device_scratch(32, 3) {
+            Err(e) if e.message().contains("alignment 3 is not a power of two") => {}
+            other => panic!("{other:?}"),
+        }
+        call.device_scratch(1 << 30, 16).map(|_| ())
+    }
+}
+
+#[test]
+fn device_scratch_comes_from_xlas_allocator_and_goes_back_after_the_call() {
+    let api = api();
+    let c = ctx(1, Pool::Threads);
+    let freed = FREED.load(Ordering::SeqCst);
+    let mut out = [0u64];
+    call(device_scratch, &api, &c, EXECUTE, &mut out).unwrap();
+    assert_eq!(out[0], 2);
+    assert!(FREED.load(Ordering::SeqCst) >= freed + 2);
+    // Refused: the error, and the block it had got back all the same.
+    let (code, m) = call(device_scratch_refused, &api, &c, EXECUTE, &mut out).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::INTERNAL);
+    assert!(m.contains("device scratch: Out of memory"), "{m}");
+    assert!(FREED.load(Ordering::SeqCst) >= freed + 3);
+    // A table without the allocator (XLA:CPU's answers an error; an older one has no fields).
+    let mut none = api.clone_table();
+    none.XLA_FFI_DeviceMemory_Free = None;
+    let (code, m) = call(device_scratch, &none, &c, EXECUTE, &mut out).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::UNIMPLEMENTED);
+    assert!(m.contains("no XLA_FFI_DeviceMemory_Allocate/Free"), "{m}");
+    let mut short = api.clone_table();
+    short.struct_size = std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_DeviceMemory_Free);
+    let (code, _) = call(device_scratch, &short, &c, EXECUTE, &mut out).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::UNIMPLEMENTED);
 }

@@ -72,6 +72,11 @@ impl<'c> ThreadPool<'c> {
         if n == 0 {
             return Ok(());
         }
+        if n > isize::MAX as usize {
+            // The claim counter passes n by at most one per thread: it must never wrap (an item
+            // claimed twice would lend one chunk twice).
+            return Err(FfiError::invalid_argument(format!("thread pool: a loop of {n} items")));
+        }
         let job = Arc::new(Job::new(n, &f));
         let helpers = if self.schedule.is_some() { self.threads.min(n) - 1 } else { 0 };
         if let Some(schedule) = self.schedule {

@@ -1,15 +1,19 @@
-//! Scratch memory for one call ([`Call::scratch`](super::Call::scratch)).
+//! Scratch memory for one call ([`Call::scratch`](super::Call::scratch),
+//! [`Call::device_scratch`](super::Call::device_scratch)).
 //!
 //! XLA's CPU runtime implements `XLA_FFI_DeviceMemory_Allocate` for GPU contexts only (on the
 //! CPU it answers "XLA FFI GPU context is not available"), so a CPU handler's scratch is a Rust
-//! allocation, freed when the call returns.
+//! allocation, freed when the call returns; a CUDA handler's device scratch comes from XLA's
+//! allocator and goes back to it when the call returns.
 
 use std::alloc::Layout;
 use std::cell::RefCell;
 use std::ptr::NonNull;
 
-use super::{FfiError, Result};
-use crate::xla_ffi::XLA_FFI_Error_Code;
+use std::ffi::c_void;
+
+use super::{Api, FfiError, Result};
+use crate::xla_ffi::*;
 
 /// The call's scratch allocations, freed when the call ends (when the [`Call`](super::Call) is
 /// dropped, after the body returned).
@@ -63,6 +67,91 @@ fn too_big<T>(n: usize) -> FfiError {
         XLA_FFI_Error_Code::RESOURCE_EXHAUSTED,
         format!("scratch: {n} elements of {} could not be allocated", std::any::type_name::<T>()),
     )
+}
+
+/// Device memory XLA's allocator lent the call (`XLA_FFI_DeviceMemory_Allocate`), given back
+/// (`XLA_FFI_DeviceMemory_Free`) when the call ends.
+pub(super) struct DeviceArena<'a> {
+    api: Api<'a>,
+    ctx: *mut XLA_FFI_ExecutionContext,
+    blocks: RefCell<Vec<(*mut c_void, usize)>>,
+}
+
+impl<'a> DeviceArena<'a> {
+    pub(super) fn new(api: Api<'a>, ctx: *mut XLA_FFI_ExecutionContext) -> Self {
+        Self { api, ctx, blocks: RefCell::new(Vec::new()) }
+    }
+
+    /// `bytes` bytes aligned to `align` (a power of two; XLA allows at most 16), from XLA's
+    /// allocator.
+    pub(super) fn alloc(&self, bytes: usize, align: usize) -> Result<*mut c_void> {
+        if !align.is_power_of_two() {
+            return Err(FfiError::invalid_argument(format!(
+                "device scratch: alignment {align} is not a power of two"
+            )));
+        }
+        let (Some(allocate), Some(_)) = (
+            api_field!(self.api, XLA_FFI_DeviceMemory_Allocate),
+            api_field!(self.api, XLA_FFI_DeviceMemory_Free),
+        ) else {
+            return Err(FfiError::new(
+                XLA_FFI_Error_Code::UNIMPLEMENTED,
+                "device scratch: the XLA FFI API table has no XLA_FFI_DeviceMemory_Allocate/Free",
+            ));
+        };
+        let mut args = XLA_FFI_DeviceMemory_Allocate_Args {
+            struct_size: XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            ctx: self.ctx,
+            size: bytes,
+            alignment: align,
+            data: std::ptr::null_mut(),
+        };
+        // SAFETY: XLA's function with the call's context and arguments of the declared size.
+        let err = unsafe { allocate(&mut args) };
+        self.api.check(err, "device scratch")?;
+        if args.data.is_null() && bytes > 0 {
+            return Err(FfiError::new(
+                XLA_FFI_Error_Code::RESOURCE_EXHAUSTED,
+                format!("device scratch: XLA gave no memory for {bytes} bytes"),
+            ));
+        }
+        self.blocks.borrow_mut().push((args.data, bytes));
+        if (args.data as usize) % align != 0 {
+            // Given back with the others when the call ends.
+            return Err(FfiError::new(
+                XLA_FFI_Error_Code::INTERNAL,
+                format!("device scratch: XLA gave {:p}, not aligned to {align}", args.data),
+            ));
+        }
+        Ok(args.data)
+    }
+}
+
+impl Drop for DeviceArena<'_> {
+    fn drop(&mut self) {
+        let blocks = std::mem::take(self.blocks.get_mut());
+        if blocks.is_empty() {
+            return;
+        }
+        // Present: alloc() made blocks only when the table had both functions.
+        let Some(free) = api_field!(self.api, XLA_FFI_DeviceMemory_Free) else { return };
+        for (data, size) in blocks {
+            let mut args = XLA_FFI_DeviceMemory_Free_Args {
+                struct_size: XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE,
+                extension_start: std::ptr::null_mut(),
+                ctx: self.ctx,
+                size,
+                data,
+            };
+            // SAFETY: XLA's function with the call's context (the call has not returned to XLA
+            // yet) and memory its allocator gave this call, given back once.
+            let err = unsafe { free(&mut args) };
+            if let Err(e) = self.api.check(err, "device scratch") {
+                eprintln!("dlbridge: giving back a handler's device scratch failed: {e}");
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -64,7 +64,8 @@ pub struct KernelDef<'a> {
     pub mutates: &'a [&'a str],
     /// The XLA FFI handler (CPU) that runs the kernel inside `jax.jit`. Its target is registered
     /// with jax when the kernel is made (or right after jax's own import), so a deserialized
-    /// `jax.export` that calls it runs in any process that imported the extension.
+    /// `jax.export` that calls it runs in any process that imported the extension. A handler
+    /// with a state (`xla_handler!`'s `state:`) is registered for XLA's instantiate stage too.
     pub ffi: Option<XLA_FFI_Handler>,
     /// `jax.vmap`'s method for the FFI call (`"sequential"`, `"broadcast_all"`, ...).
     pub vmap_method: &'a str,
