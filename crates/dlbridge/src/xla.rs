@@ -40,6 +40,14 @@
 //! are shorter than this crate's), never as a reference to the whole struct. Only what cannot be checked is trusted: that the pointers XLA
 //! passes point where the frame says, for the call (the handler's C contract).
 //!
+//! **Beyond buffers.** A handler reaches what XLA lends through its API table: a state made
+//! once per compiled executable at XLA's instantiate stage ([`Call::state`], declared
+//! `state: Type = init` in [`xla_handler!`](crate::xla_handler)), scratch memory for the call
+//! ([`Call::scratch`]; [`Call::device_scratch`] from XLA's allocator for a CUDA handler), and
+//! XLA's intra-op thread pool ([`Call::thread_pool`], a loop that returns once every item has
+//! finished, on the calling thread alone where XLA lends no pool). A table too short for a
+//! function, or one that fails, is an error (or the serial loop), never a read past its size.
+//!
 //! **Borrow rules.** XLA lends its buffers for the call. An operand aliased to a result
 //! (`input_output_aliases`: the result *is* the operand's memory) must not be read as `&[T]` while
 //! the result is written as `&mut [T]`: every slice holds a lease of the process's borrow registry
@@ -1572,7 +1580,63 @@ const _: Order = Order::C;
 /// as XLA's C++ binding checks its bound signature: a call passing another number of operands or
 /// results, or other attributes, is refused (`INVALID_ARGUMENT: saxpy_xla: wrong number of
 /// operands: expected 2, got 3 ...`), so the body never leaves a result it did not know of
-/// unwritten. The declaration is required:
+/// unwritten.
+///
+/// After the attributes, `state: Type = init` declares a state (`Type: Send + Sync + 'static`):
+/// `init`, an expression (it sees no call: no buffers, no attributes), is evaluated at XLA's
+/// instantiate stage, once per custom call of a compiled executable, and every call reads the
+/// value with [`Call::state`]. Such a handler is registered for both stages
+/// ([`needs_instantiate`]; `add_kernel` does it). A body also reaches scratch memory
+/// ([`Call::scratch`]) and XLA's intra-op thread pool ([`Call::thread_pool`]):
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use dlbridge::spec::Rank;
+///
+/// /// A table made once per compiled executable.
+/// struct Squares {
+///     table: Vec<f32>,
+///     calls: AtomicU64,
+/// }
+///
+/// dlbridge::xla_handler! {
+///     /// `out[i] = x[i]²` for small integers in float32, read from the state's table.
+///     pub fn squares_xla(call, operands: 1, results: 1,
+///                        state: Squares = Squares { table: (0..256).map(|i| (i * i) as f32).collect(), calls: AtomicU64::new(0) }) {
+///         let state = call.state::<Squares>()?;
+///         state.calls.fetch_add(1, Ordering::Relaxed);
+///         let x = call.input::<f32, Rank<1>>(0, "x")?;
+///         let mut out = call.output::<f32, Rank<1>>(0, "out")?;
+///         let x = x.as_slice()?;
+///         let x: &[f32] = &x;
+///         let tmp = call.scratch::<f32>(x.len())?; // freed when the call returns
+///         // Chunks of 1024 elements in parallel on XLA's pool (or this thread alone).
+///         call.thread_pool().for_each_chunk_mut(tmp, 1024, |i, chunk| {
+///             for (k, t) in chunk.iter_mut().enumerate() {
+///                 let v = x[i * 1024 + k];
+///                 *t = state.table.get(v as usize).copied().unwrap_or(v * v);
+///             }
+///         })?;
+///         out.as_slice_mut()?.copy_from_slice(tmp);
+///         Ok(())
+///     }
+/// }
+/// // SAFETY: a handler of this crate, which answers XLA's metadata query.
+/// assert!(unsafe { dlbridge::xla::needs_instantiate(squares_xla) });
+/// ```
+///
+/// The state is shared by the calls of an executable, on any thread: it is `Send + Sync`.
+///
+/// ```compile_fail,E0277
+/// dlbridge::xla_handler! {
+///     fn h(call, operands: 0, results: 0, state: std::rc::Rc<u8> = std::rc::Rc::new(1)) {
+///         let _ = call;
+///         Ok(())
+///     }
+/// }
+/// ```
+///
+/// The declaration of what the handler reads is required:
 ///
 /// ```compile_fail
 /// dlbridge::xla_handler! {
