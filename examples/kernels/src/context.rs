@@ -5,8 +5,8 @@
 //! `center_rows(x)` subtracts each row's mean: `x - x.mean(axis=1, keepdims=True)`, for a 2-d
 //! float32 or float64 matrix. The handler computes the row means in parallel into scratch memory,
 //! then writes the rows in parallel; the reciprocals `1 / n` it divides by come from a table in
-//! its state. Counters (read from Python) show how often a state was made, and how many calls
-//! the last state served.
+//! its state. Counters (read from Python) show how often a state was made and freed, and how
+//! many calls the last state served.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -26,6 +26,8 @@ static STATES_MADE: AtomicUsize = AtomicUsize::new(0);
 static LAST_CALLS: AtomicU64 = AtomicU64::new(0);
 /// The number of threads of the last call's pool (1: the calling thread alone).
 static LAST_THREADS: AtomicUsize = AtomicUsize::new(0);
+/// How many states XLA freed (with their executables).
+static STATES_DROPPED: AtomicUsize = AtomicUsize::new(0);
 
 /// The reciprocals the table holds: `1 / n` for rows of up to this many elements.
 const TABLE_LEN: usize = 1024;
@@ -48,6 +50,14 @@ impl Reciprocals {
     /// `1 / n` (0 for 0).
     fn inv(&self, n: usize) -> f64 {
         self.inv.get(n).copied().unwrap_or(1.0 / n as f64)
+    }
+}
+
+impl Drop for Reciprocals {
+    /// Counts. XLA drops the state where the executable goes (a thread that may hold the GIL):
+    /// nothing here blocks.
+    fn drop(&mut self) {
+        STATES_DROPPED.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -152,13 +162,14 @@ fn center_rows_ffi<T: Real>(call: &Call<'_>) -> Result<()> {
     })
 }
 
-/// `(states made, calls the last state served, threads of the last call's pool)`.
+/// `(states made, calls the last state served, threads of the last call's pool, states freed)`.
 #[pyfunction]
-fn center_rows_counters() -> (usize, u64, usize) {
+fn center_rows_counters() -> (usize, u64, usize, usize) {
     (
         STATES_MADE.load(Ordering::Relaxed),
         LAST_CALLS.load(Ordering::Relaxed),
         LAST_THREADS.load(Ordering::Relaxed),
+        STATES_DROPPED.load(Ordering::Relaxed),
     )
 }
 

@@ -3,10 +3,12 @@ scratch memory for the call, a state made once at XLA's instantiate stage (once 
 executable; once per process for the native torch op), and XLA's intra-op thread pool. Checked
 against numpy in every mode: eager numpy/torch/jax, `jax.jit` (and `vmap`), the native torch op and
 `torch.compile(fullgraph=True)`; `center_rows_counters()` says how many states were made, how many
-calls the last one served, and how many threads the last call's pool had."""
+calls the last one served, how many threads the last call's pool had, and how many states were
+freed."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -64,6 +66,22 @@ def test_jax_jit_makes_the_state_once_per_compiled_executable(x):
     np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(k.center_rows))(batch)), reference(batch), atol=1e-4)
 
 
+def test_xla_frees_the_state_with_its_executable(x):
+    jax = pytest.importorskip("jax")
+    xs = jax.numpy.asarray(x[:7].astype(np.float32))
+    jax.clear_caches()  # the executables of earlier tests go first
+    gc.collect()
+    f = jax.jit(lambda a: k.center_rows(a) - 1.0)
+    f(xs).block_until_ready()
+    made_, _, _, freed = k.center_rows_counters()
+    del f
+    jax.clear_caches()
+    gc.collect()
+    # XLA's deleter (dlbridge's, registered with the state's type) dropped it, once.
+    assert k.center_rows_counters()[3] == freed + 1
+    assert k.center_rows_counters()[0] == made_
+
+
 def test_jax_jit_runs_the_loop_on_xlas_intra_op_pool(x):
     jax = pytest.importorskip("jax")
     xs = jax.numpy.asarray(x.astype(np.float32))
@@ -80,10 +98,10 @@ def test_the_native_torch_op_makes_its_state_once_for_the_process(x):
         pytest.skip("no native torch op on this torch")
     t = torch.from_numpy(x)
     op(t)  # the state, made at the op's first call (any test may have made it)
-    before, calls, _ = k.center_rows_counters()
+    before, calls, _, _ = k.center_rows_counters()
     for n in (1, 2):
         np.testing.assert_allclose(op(t).numpy(), reference(x), atol=1e-12)
-        got_made, got_calls, threads = k.center_rows_counters()
+        got_made, got_calls, threads, _ = k.center_rows_counters()
         assert (got_made, got_calls) == (before, calls + n)
         assert threads == 1  # no pool on this path: the loop runs on the calling thread
     # torch.compile(fullgraph=True) calls the same op: the same state.
