@@ -1143,7 +1143,8 @@ class Kernel:
 
     def _register_jax_target(self, jax: Any) -> None:
         if self._target not in _JAX_TARGETS:
-            jax.ffi.register_ffi_target(self._target, _FFI_BUNDLES.get(self._ffi, self._ffi), platform="cpu")
+            fn = self._ffi if isinstance(self._ffi, dict) else _FFI_BUNDLES.get(self._ffi, self._ffi)
+            jax.ffi.register_ffi_target(self._target, fn, platform="cpu")
             _JAX_TARGETS[self._target] = self._ffi
 
     def _jax_ffi(self, jax: Any, attrs: tuple[tuple[str, Any], ...], tensors: Sequence[Any]) -> Any:
