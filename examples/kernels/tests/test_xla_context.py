@@ -128,3 +128,28 @@ except jax.errors.JaxRuntimeError as e:
     assert r.returncode == 0, r.stderr
     assert "ERROR FAILED_PRECONDITION: center_rows_xla: state: none was made" in r.stdout, r.stdout
     assert '{"instantiate": capsule, "execute": capsule}' in r.stdout
+
+
+def test_a_kernel_made_in_python_registers_the_stage_bundle_it_is_given():
+    # dlbridge.kernels.kernel(ffi=...) of a handler with a state: jax's stage dict, registered as
+    # it is (a process without torch: a torch op needs the capsule itself).
+    code = """
+import sys
+import numpy as np, jax, jax.numpy as jnp
+import dlbridge.kernels as dk, dlbridge_kernels as k
+cap = k.center_rows._ffi
+def center(x):
+    return k.center_rows(x)
+c = dk.kernel(center, name="center_bundle", namespace="test_xla_context", out="x",
+              ffi={"instantiate": cap, "execute": cap})
+x = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+made = k.center_rows_counters()[0]
+y = jax.jit(c)(jnp.asarray(x))
+assert np.allclose(y, x - x.mean(axis=1, keepdims=True)), y
+assert k.center_rows_counters()[0] == made + 1
+assert "torch" not in sys.modules
+print("OK")
+"""
+    pytest.importorskip("jax")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
