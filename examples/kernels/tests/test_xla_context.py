@@ -153,3 +153,34 @@ print("OK")
     pytest.importorskip("jax")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
+
+
+def test_the_native_ops_first_calls_from_several_threads_keep_one_state():
+    # A fresh process: the op's first calls race to make its state; one is kept, any other made
+    # meanwhile is freed, and every call reads the kept one.
+    code = """
+import threading
+import numpy as np, torch
+import dlbridge_kernels as k
+op = torch.ops.dlbridge_kernels.center_rows
+x = torch.from_numpy(np.random.default_rng(1).standard_normal((64, 9)))
+want = (x - x.mean(dim=1, keepdim=True)).numpy()
+start, errors = threading.Barrier(4), []
+def run():
+    start.wait()
+    for _ in range(20):
+        if not np.allclose(op(x).numpy(), want):
+            errors.append("wrong")
+threads = [threading.Thread(target=run) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+made, calls, _, freed = k.center_rows_counters()
+assert not errors, errors
+assert made - freed == 1 and calls == 80, (made, freed, calls)
+print("OK")
+"""
+    torch = pytest.importorskip("torch")
+    if getattr(torch.ops.dlbridge_kernels, "center_rows", None) is None:
+        pytest.skip("no native torch op on this torch")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
