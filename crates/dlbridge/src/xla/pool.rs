@@ -15,7 +15,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::{Api, FfiError, Result, panic_message};
+use super::api::{Api, FfiError, Result, panic_message};
 use crate::xla_ffi::*;
 
 /// XLA's intra-op thread pool for the call, or the calling thread alone where XLA lends none

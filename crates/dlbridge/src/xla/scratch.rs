@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 
 use std::ffi::c_void;
 
-use super::{Api, FfiError, Result};
+use super::api::{Api, FfiError, Result};
 use crate::xla_ffi::*;
 
 /// The call's scratch allocations, freed when the call ends (when the [`Call`](super::Call) is

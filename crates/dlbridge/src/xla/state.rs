@@ -13,7 +13,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 
-use super::{Api, FfiError, Result, panic_message};
+use super::api::{Api, FfiError, Result, panic_message};
 use crate::xla_ffi::*;
 
 /// What [`xla_handler!`](crate::xla_handler)'s `state: Type = init` declares: the state's type
