@@ -25,3 +25,9 @@ def test_the_chapter_shows_the_layer_in_both_frameworks():
     for needle in ("results:", ".residual()", "nn.Parameter", "fullgraph=True", ".backward()", "jax.jit", "jax.grad",
                    "torch.nn.RMSNorm", "setup_context", "custom_vjp"):
         assert needle in chapter, needle
+
+
+def test_the_context_blocks_are_the_whole_file_in_order():
+    blocks = re.findall(r'```rust title="src/context.rs"\n(.*?)```', GUIDE, re.S)
+    assert len(blocks) == 3
+    assert lines("\n".join(blocks)) == lines((ROOT / "examples/kernels/src/context.rs").read_text())

@@ -204,6 +204,10 @@ _PENDING_JAX: list[Kernel] = []
 # torch op: its ffi capsule -> the private Rust function that defines the op through torch's
 # stable C ABI, called once, when the kernel's torch op is made (see _native_torch_op).
 _NATIVE_OPS: dict[Any, Callable[..., str | None]] = {}
+# A kernel declared from Rust whose XLA handler makes a state at XLA's instantiate stage
+# (xla_handler!'s `state:`): its ffi capsule -> the stage bundle jax registers instead,
+# {"instantiate": capsule, "execute": capsule} (dlbridge::python::add_kernel sets it).
+_FFI_BUNDLES: dict[Any, dict[str, Any]] = {}
 
 
 def _no_grad_mode() -> bool:
@@ -1270,7 +1274,8 @@ class Kernel:
 
     def _register_jax_target(self, jax: Any) -> None:
         if self._target not in _JAX_TARGETS:
-            jax.ffi.register_ffi_target(self._target, self._ffi, platform="cpu")
+            fn = self._ffi if isinstance(self._ffi, dict) else _FFI_BUNDLES.get(self._ffi, self._ffi)
+            jax.ffi.register_ffi_target(self._target, fn, platform="cpu")
             _JAX_TARGETS[self._target] = self._ffi
 
     def _ffi_attrs(self, attrs: tuple[tuple[str, Any], ...]) -> dict[str, Any]:

@@ -40,6 +40,14 @@
 //! are shorter than this crate's), never as a reference to the whole struct. Only what cannot be checked is trusted: that the pointers XLA
 //! passes point where the frame says, for the call (the handler's C contract).
 //!
+//! **Beyond buffers.** A handler reaches what XLA lends through its API table: a state made
+//! once per compiled executable at XLA's instantiate stage ([`Call::state`], declared
+//! `state: Type = init` in [`xla_handler!`](crate::xla_handler)), scratch memory for the call
+//! ([`Call::scratch`]; [`Call::device_scratch`] from XLA's allocator for a CUDA handler), and
+//! XLA's intra-op thread pool ([`Call::thread_pool`], a loop that returns once every item has
+//! finished, on the calling thread alone where XLA lends no pool). A table too short for a
+//! function, or one that fails, is an error (or the serial loop), never a read past its size.
+//!
 //! **Borrow rules.** XLA lends its buffers for the call. An operand aliased to a result
 //! (`input_output_aliases`: the result *is* the operand's memory) must not be read as `&[T]` while
 //! the result is written as `&mut [T]`: every slice holds a lease of the process's borrow registry
@@ -48,7 +56,7 @@
 //! only (it holds the operand's values when the handler starts).
 
 use std::any::Any;
-use std::ffi::{CString, c_void};
+use std::ffi::c_void;
 use std::fmt;
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -64,68 +72,19 @@ use crate::spec::{
 use crate::view::{SliceMut, SliceRef};
 use crate::xla_ffi::*;
 
-/// A handler's failure: an XLA FFI error code and message (the handler's name is prefixed when
-/// it reaches XLA). One pointer wide (boxed), so a handler's `Result`s stay small on the path
-/// where nothing fails.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FfiError(Box<ErrorInner>);
+// The API table and the error type, shared by the handler layer and what a call reaches beyond
+// its buffers (a state, scratch memory, the thread pool).
+#[macro_use]
+mod api;
+mod pool;
+mod scratch;
+mod state;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct ErrorInner {
-    code: XLA_FFI_Error_Code,
-    message: String,
-}
-
-impl FfiError {
-    /// An error of `code` saying `message`.
-    #[cold]
-    pub fn new(code: XLA_FFI_Error_Code, message: impl Into<String>) -> Self {
-        Self(Box::new(ErrorInner { code, message: message.into() }))
-    }
-
-    /// `INVALID_ARGUMENT` saying `message`.
-    #[cold]
-    pub fn invalid_argument(message: impl Into<String>) -> Self {
-        Self::new(XLA_FFI_Error_Code::INVALID_ARGUMENT, message)
-    }
-
-    /// The code.
-    pub fn code(&self) -> XLA_FFI_Error_Code {
-        self.0.code
-    }
-
-    /// The message.
-    pub fn message(&self) -> &str {
-        &self.0.message
-    }
-
-    /// This error with `name: ` before its message (the argument it is about).
-    pub fn about(mut self, name: &str) -> Self {
-        self.0.message = format!("{name}: {}", self.0.message);
-        self
-    }
-}
-
-impl fmt::Display for FfiError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0.message)
-    }
-}
-
-impl std::error::Error for FfiError {}
-
-impl From<crate::Error> for FfiError {
-    fn from(e: crate::Error) -> Self {
-        let code = match e {
-            crate::Error::AlreadyBorrowed { .. } => XLA_FFI_Error_Code::FAILED_PRECONDITION,
-            _ => XLA_FFI_Error_Code::INVALID_ARGUMENT,
-        };
-        Self::new(code, e.to_string())
-    }
-}
-
-/// The result of a handler's body.
-pub type Result<T, E = FfiError> = std::result::Result<T, E>;
+use api::Api;
+pub(crate) use api::panic_message;
+pub use api::{FfiError, Result};
+pub use pool::ThreadPool;
+pub use state::StateDecl;
 
 /// The dlbridge data type of an XLA FFI element type (`None`: no DLPack equivalent, or unknown).
 pub fn data_type(t: XLA_FFI_DataType) -> Option<DataType> {
@@ -168,6 +127,7 @@ pub struct Signature {
     operands: usize,
     results: usize,
     attrs: &'static [&'static str],
+    state: Option<StateDecl>,
 }
 
 impl Signature {
@@ -188,7 +148,19 @@ impl Signature {
             }
             i += 1;
         }
-        Self { operands, results, attrs }
+        Self { operands, results, attrs, state: None }
+    }
+
+    /// This signature with a state, made once when XLA instantiates the handler
+    /// ([`Call::state`]).
+    pub const fn with_state(mut self, state: StateDecl) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// The state the handler declares, if any.
+    pub const fn state(&self) -> Option<StateDecl> {
+        self.state
     }
 
     /// The number of operands.
@@ -269,89 +241,6 @@ enum Platform {
     Cuda,
 }
 
-/// The API table, as far as its `struct_size` reaches. No reference to an `XLA_FFI_Api` is ever
-/// made: a table of an older XLA is smaller than the struct, so each field is read through the raw
-/// pointer once `size` covers it ([`api_field!`]). A table that does not reach every function
-/// dlbridge may call to make or free an error (or a NULL one) is kept as size 0: nothing in it is
-/// read, and no error can be made.
-#[derive(Clone, Copy)]
-struct Api<'a> {
-    table: *const XLA_FFI_Api,
-    size: usize,
-    _frame: PhantomData<&'a XLA_FFI_CallFrame>,
-}
-
-/// The end of the API table's fields an error needs (made, read, freed): a table reaching less is
-/// unusable.
-const API_NEEDS: usize =
-    std::mem::offset_of!(XLA_FFI_Api, XLA_FFI_Error_Destroy) + size_of::<Option<XLA_FFI_Error_Destroy>>();
-
-/// Field `$field` of the API table `$api` (an `Option` of a function pointer), or `None` when
-/// the table's size does not cover it.
-macro_rules! api_field {
-    ($api:expr, $field:ident) => {{
-        let api: Api<'_> = $api;
-        if api.size >= std::mem::offset_of!(XLA_FFI_Api, $field) + size_of::<*const c_void>() {
-            // SAFETY: a non-NULL, aligned table of `size` bytes (Api::new), which cover the field;
-            // read through the raw pointer, no reference to the whole struct made.
-            unsafe { (&raw const (*api.table).$field).read() }
-        } else {
-            None
-        }
-    }};
-}
-
-// Every field read by api_field! is one pointer wide.
-const _: () = {
-    assert!(size_of::<Option<XLA_FFI_Error_Create>>() == size_of::<*const c_void>());
-    assert!(size_of::<Option<XLA_FFI_Stream_Get>>() == size_of::<*const c_void>());
-    assert!(size_of::<Option<XLA_FFI_DeviceOrdinal_Get>>() == size_of::<*const c_void>());
-};
-
-impl Api<'_> {
-    /// No table: nothing can be read or reported.
-    const NONE: Self = Self { table: std::ptr::null(), size: 0, _frame: PhantomData };
-
-    /// # Safety
-    ///
-    /// `table` is NULL or points to an API table of at least the `struct_size` bytes it declares.
-    #[inline]
-    unsafe fn new(table: *const XLA_FFI_Api) -> Self {
-        if table.is_null() || !table.is_aligned() {
-            return Self::NONE;
-        }
-        // SAFETY: a non-NULL, aligned table; its first field exists in every version.
-        let size = unsafe { (&raw const (*table).struct_size).read() };
-        if size < API_NEEDS { Self::NONE } else { Self { table, size, _frame: PhantomData } }
-    }
-
-    /// The API version XLA implements (`None`: no usable table).
-    #[inline]
-    fn major_version(self) -> Option<(i32, i32)> {
-        if self.size == 0 {
-            return None;
-        }
-        // SAFETY: `api_version` lies below API_NEEDS, which a usable table covers.
-        let v = unsafe { (&raw const (*self.table).api_version).read() };
-        Some((v.major_version, v.minor_version))
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn error(self, code: XLA_FFI_Error_Code, message: &str) -> *mut XLA_FFI_Error {
-        let Some(create) = api_field!(self, XLA_FFI_Error_Create) else { return std::ptr::null_mut() };
-        let message = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-        let mut args = XLA_FFI_Error_Create_Args {
-            struct_size: XLA_FFI_Error_Create_Args_STRUCT_SIZE,
-            extension_start: std::ptr::null_mut(),
-            message: message.as_ptr(),
-            errc: code,
-        };
-        // SAFETY: XLA's function, with arguments of the declared size; it copies the message.
-        unsafe { create(&mut args) }
-    }
-}
-
 /// The end of the frame's `$field`: the frame's `struct_size` must reach it before it is read.
 macro_rules! frame_end {
     ($field:ident) => {
@@ -394,7 +283,7 @@ where
             // The metadata query: answered without the API table (some XLA builds send none);
             // only its errors need one.
             // SAFETY: an extension chain (the C API's contract).
-            if let Some(answer) = unsafe { metadata_query(api, name, ext) } {
+            if let Some(answer) = unsafe { metadata_query(api, name, ext, signature.state.is_some()) } {
                 return answer;
             }
         }
@@ -410,6 +299,15 @@ where
     }
     // SAFETY: covered by the frame's size (checked just above).
     let stage = unsafe { (&raw const (*frame).stage).read() };
+    if stage == XLA_FFI_ExecutionStage::INSTANTIATE {
+        // SAFETY: covered by the frame's size (checked above).
+        let ctx = unsafe { (&raw const (*frame).ctx).read() };
+        return match catch_unwind(AssertUnwindSafe(|| state::instantiate(api, ctx, signature.state))) {
+            Ok(Ok(())) => std::ptr::null_mut(),
+            Ok(Err(e)) => refuse(api, name, FrameFault::Body(e)),
+            Err(panic) => refuse(api, name, FrameFault::Panic(panic)),
+        };
+    }
     if stage != XLA_FFI_ExecutionStage::EXECUTE {
         return refuse(api, name, FrameFault::Stage(stage.0));
     }
@@ -451,22 +349,14 @@ fn refuse(api: Api<'_>, name: &str, fault: FrameFault) -> *mut XLA_FFI_Error {
         ),
         FrameFault::Stage(stage) => (
             XLA_FFI_Error_Code::INVALID_ARGUMENT,
-            format!("called at execution stage {stage} (an execute handler)"),
+            format!("called at execution stage {stage} (a handler runs at instantiate and execute)"),
         ),
-        FrameFault::Body(e) => (e.code(), e.0.message),
+        FrameFault::Body(e) => (e.code(), e.message().to_owned()),
         FrameFault::Panic(panic) => {
             (XLA_FFI_Error_Code::INTERNAL, format!("panicked: {}", panic_message(&*panic)))
         }
     };
     api.error(code, &format!("{name}: {message}"))
-}
-
-/// The message a panic carried (its `&str` or `String` payload), for the error a caller gets.
-pub(crate) fn panic_message(p: &(dyn Any + Send)) -> &str {
-    p.downcast_ref::<&str>()
-        .copied()
-        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("(no message)")
 }
 
 /// Looks for the metadata extension in the frame's extension chain and answers it: `None` when
@@ -481,6 +371,7 @@ unsafe fn metadata_query(
     api: Api<'_>,
     name: &str,
     mut ext: *mut XLA_FFI_Extension_Base,
+    stateful: bool,
 ) -> Option<*mut XLA_FFI_Error> {
     for _ in 0..MAX_EXTENSIONS {
         if ext.is_null() {
@@ -503,7 +394,12 @@ unsafe fn metadata_query(
         let (kind, next) = unsafe { ((&raw const (*ext).type_).read(), (&raw const (*ext).next).read()) };
         if kind == XLA_FFI_Extension_Type::METADATA {
             // SAFETY: a metadata extension (its type says so), checked for size before use.
-            return Some(unsafe { write_metadata(api, name, ext.cast()) });
+            let answer = unsafe { write_metadata(api, name, ext.cast()) };
+            if answer.is_null() {
+                // SAFETY: the rest of the same chain.
+                unsafe { answer_stages_query(next, stateful) };
+            }
+            return Some(answer);
         }
         ext = next;
     }
@@ -558,6 +454,130 @@ unsafe fn write_metadata(
         (&raw mut (*metadata).traits).write(0);
     }
     std::ptr::null_mut()
+}
+
+/// dlbridge's own extension type, chained after the metadata extension of a metadata query by
+/// [`needs_instantiate`] only (XLA never sends it; a handler that does not know it skips it, as
+/// every unknown extension).
+const STAGES_QUERY: XLA_FFI_Extension_Type = XLA_FFI_Extension_Type(0x646c_6273);
+/// The stages query's mark (a chain link of another origin that happens to use the same type
+/// number is not answered).
+const STAGES_MAGIC: u64 = 0x646c_6272_6964_6765;
+
+/// dlbridge's stages query: which stages a handler runs.
+#[repr(C)]
+struct StagesQuery {
+    base: XLA_FFI_Extension_Base,
+    magic: u64,
+    /// Out: 1 when the handler makes a state at the instantiate stage.
+    instantiate: u8,
+}
+
+/// Answers the stages query if it follows in the chain `ext`.
+///
+/// # Safety
+///
+/// `ext` is NULL or a link of an extension chain (each link of at least the size it declares).
+unsafe fn answer_stages_query(mut ext: *mut XLA_FFI_Extension_Base, stateful: bool) {
+    for _ in 0..MAX_EXTENSIONS {
+        if ext.is_null() || !ext.is_aligned() {
+            return;
+        }
+        // SAFETY: an extension (the caller's contract); its size is read first.
+        let size = unsafe { (&raw const (*ext).struct_size).read() };
+        if size < XLA_FFI_Extension_Base_STRUCT_SIZE {
+            return;
+        }
+        // SAFETY: covered by the size just checked.
+        let (kind, next) = unsafe { ((&raw const (*ext).type_).read(), (&raw const (*ext).next).read()) };
+        if kind == STAGES_QUERY && size >= size_of::<StagesQuery>() {
+            let q = ext.cast::<StagesQuery>();
+            // SAFETY: a link of at least a StagesQuery's size (checked), aligned as its head.
+            if q.is_aligned() && unsafe { (&raw const (*q).magic).read() } == STAGES_MAGIC {
+                // SAFETY: as above.
+                unsafe { (&raw mut (*q).instantiate).write(u8::from(stateful)) };
+            }
+            return;
+        }
+        ext = next;
+    }
+}
+
+/// Whether `handler` must also be registered for XLA's instantiate stage: a handler of
+/// [`xla_handler!`](crate::xla_handler) that declares a `state` (made there, [`Call::state`]).
+/// `jax.ffi.register_ffi_target(name, {"instantiate": capsule, "execute": capsule})` registers
+/// both stages with the one function; `dlbridge.kernels` (add_kernel) does it for such handlers.
+/// `false` for any other handler (another origin's too: it answers only XLA's part of the query).
+///
+/// # Safety
+///
+/// `handler` is an XLA FFI handler: it answers XLA's metadata query (the call frame XLA sends
+/// at registration, with no API table), as every handler XLA registers must.
+pub unsafe fn needs_instantiate(handler: XLA_FFI_Handler) -> bool {
+    let mut stages = StagesQuery {
+        base: XLA_FFI_Extension_Base {
+            struct_size: size_of::<StagesQuery>(),
+            type_: STAGES_QUERY,
+            next: std::ptr::null_mut(),
+        },
+        magic: STAGES_MAGIC,
+        instantiate: 0,
+    };
+    // XLA's own query: metadata of XLA_FFI_Metadata_STRUCT_SIZE bytes, no API table, no context.
+    let mut metadata = XLA_FFI_Metadata {
+        struct_size: XLA_FFI_Metadata_STRUCT_SIZE,
+        api_version: XLA_FFI_Api_Version {
+            struct_size: XLA_FFI_Api_Version_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            major_version: 0,
+            minor_version: 0,
+        },
+        traits: 0,
+        state_type_id: XLA_FFI_TypeId { type_id: 0 },
+    };
+    let mut ext = XLA_FFI_Metadata_Extension {
+        extension_base: XLA_FFI_Extension_Base {
+            struct_size: XLA_FFI_Metadata_Extension_STRUCT_SIZE,
+            type_: XLA_FFI_Extension_Type::METADATA,
+            next: (&raw mut stages).cast(),
+        },
+        metadata: &raw mut metadata,
+    };
+    let mut frame = XLA_FFI_CallFrame {
+        struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
+        extension_start: (&raw mut ext).cast(),
+        api: std::ptr::null(),
+        ctx: std::ptr::null_mut(),
+        stage: XLA_FFI_ExecutionStage::EXECUTE,
+        args: XLA_FFI_Args {
+            struct_size: XLA_FFI_Args_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: 0,
+            types: std::ptr::null_mut(),
+            args: std::ptr::null_mut(),
+        },
+        rets: XLA_FFI_Rets {
+            struct_size: XLA_FFI_Rets_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: 0,
+            types: std::ptr::null_mut(),
+            rets: std::ptr::null_mut(),
+        },
+        attrs: XLA_FFI_Attrs {
+            struct_size: XLA_FFI_Attrs_STRUCT_SIZE,
+            extension_start: std::ptr::null_mut(),
+            size: 0,
+            types: std::ptr::null_mut(),
+            names: std::ptr::null_mut(),
+            attrs: std::ptr::null_mut(),
+        },
+        future: std::ptr::null_mut(),
+    };
+    // SAFETY: the caller's contract: XLA's metadata query, which every handler answers; the
+    // stages link after it is skipped by a handler that does not know it. An error (which no
+    // API table can free) is left alone.
+    let err = unsafe { handler(&mut frame) };
+    err.is_null() && stages.instantiate == 1
 }
 
 /// One checked list of the frame (operands or results): its entries and their kinds.
@@ -619,6 +639,9 @@ fn list_error(what: &str, fault: ListFault) -> FfiError {
 pub struct Call<'a> {
     api: Api<'a>,
     ctx: *mut XLA_FFI_ExecutionContext,
+    state: Option<StateDecl>,
+    scratch: scratch::Arena,
+    device_scratch: scratch::DeviceArena<'a>,
     args: List<'a>,
     rets: List<'a>,
     attr_kinds: &'a [i32],
@@ -679,6 +702,10 @@ impl<'a> Call<'a> {
             api,
             // SAFETY: below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's contract).
             ctx: unsafe { (&raw const (*frame).ctx).read() },
+            state: signature.state,
+            scratch: scratch::Arena::default(),
+            // SAFETY: below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's contract).
+            device_scratch: scratch::DeviceArena::new(api, unsafe { (&raw const (*frame).ctx).read() }),
             args,
             rets,
             attr_kinds: attrs.kinds,
@@ -945,35 +972,47 @@ impl<'a> Call<'a> {
 
     /// Turns an error XLA's own function returned into an [`FfiError`] (and frees it).
     fn check(&self, err: *mut XLA_FFI_Error, what: &str) -> Result<()> {
-        if err.is_null() {
-            return Ok(());
-        }
-        let mut message = format!("{what}: XLA reported an error");
-        if let Some(get) = api_field!(self.api, XLA_FFI_Error_GetMessage) {
-            let mut args = XLA_FFI_Error_GetMessage_Args {
-                struct_size: XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE,
-                extension_start: std::ptr::null_mut(),
-                error: err,
-                message: std::ptr::null(),
-            };
-            // SAFETY: XLA's function and XLA's error.
-            unsafe { get(&mut args) };
-            if !args.message.is_null() {
-                // SAFETY: a NUL-terminated message owned by the error, read before it is freed.
-                let m = unsafe { std::ffi::CStr::from_ptr(args.message) };
-                message = format!("{what}: {}", m.to_string_lossy());
-            }
-        }
-        if let Some(destroy) = api_field!(self.api, XLA_FFI_Error_Destroy) {
-            let mut args = XLA_FFI_Error_Destroy_Args {
-                struct_size: XLA_FFI_Error_Destroy_Args_STRUCT_SIZE,
-                extension_start: std::ptr::null_mut(),
-                error: err,
-            };
-            // SAFETY: XLA's function and XLA's error, freed once.
-            unsafe { destroy(&mut args) };
-        }
-        Err(FfiError::new(XLA_FFI_Error_Code::INTERNAL, message))
+        self.api.check(err, what)
+    }
+
+    /// The state made when XLA instantiated this handler (once per compiled executable that
+    /// calls it), declared in [`xla_handler!`](crate::xla_handler) as `state: Type = init`.
+    /// Shared by every call of that executable, from any thread: `Type` is `Send + Sync`, and
+    /// interior mutability (atomics, locks) is how a call changes it.
+    ///
+    /// An error when the handler declares no state or another type, or when none was made:
+    /// XLA runs the instantiate stage only for a handler registered for it
+    /// (`jax.ffi.register_ffi_target(name, {"instantiate": capsule, "execute": capsule})`, which
+    /// [`add_kernel`](crate::python::add_kernel) does for a handler with a state). As a native
+    /// torch op, the state is made at the op's first call and kept for the process.
+    pub fn state<T: std::any::Any + Send + Sync>(&self) -> Result<&T> {
+        state::get::<T>(self.api, self.ctx, self.state)
+    }
+
+    /// `n` elements of `T`, each `T::default()`, to use during the call: freed when the call
+    /// returns. XLA's CPU runtime has no allocator for a handler (its
+    /// `XLA_FFI_DeviceMemory_Allocate` serves GPU contexts only), so this is a Rust allocation,
+    /// on the torch op path too. `RESOURCE_EXHAUSTED` when it cannot be made.
+    pub fn scratch<T: Copy + Default>(&self, n: usize) -> Result<&mut [T]> {
+        self.scratch.alloc::<T>(n)
+    }
+
+    /// `bytes` bytes of device memory aligned to `align` (a power of two, at most 16 for XLA),
+    /// from XLA's allocator for the call's device (`XLA_FFI_DeviceMemory_Allocate`), given back
+    /// when the call returns: scratch for a CUDA handler's kernels (queued on
+    /// [`stream`](Self::stream)). XLA's CPU runtime has none (an error; use
+    /// [`scratch`](Self::scratch)). The pointer is the handler's to pass to device code, never
+    /// read here.
+    pub fn device_scratch(&self, bytes: usize, align: usize) -> Result<*mut c_void> {
+        self.device_scratch.alloc(bytes, align)
+    }
+
+    /// XLA's intra-op thread pool for a parallel loop ([`ThreadPool::parallel_for`],
+    /// [`ThreadPool::for_each_chunk_mut`]), which returns once every item has finished. Where
+    /// XLA lends none (a context without a pool, an older API table, a native torch op), the
+    /// loop runs on the calling thread alone.
+    pub fn thread_pool(&self) -> ThreadPool<'_> {
+        ThreadPool::new(self.api, self.ctx)
     }
 }
 
@@ -1463,7 +1502,63 @@ const _: Order = Order::C;
 /// as XLA's C++ binding checks its bound signature: a call passing another number of operands or
 /// results, or other attributes, is refused (`INVALID_ARGUMENT: saxpy_xla: wrong number of
 /// operands: expected 2, got 3 ...`), so the body never leaves a result it did not know of
-/// unwritten. The declaration is required:
+/// unwritten.
+///
+/// After the attributes, `state: Type = init` declares a state (`Type: Send + Sync + 'static`):
+/// `init`, an expression (it sees no call: no buffers, no attributes), is evaluated at XLA's
+/// instantiate stage, once per custom call of a compiled executable, and every call reads the
+/// value with [`Call::state`]. Such a handler is registered for both stages
+/// ([`needs_instantiate`]; `add_kernel` does it). A body also reaches scratch memory
+/// ([`Call::scratch`]) and XLA's intra-op thread pool ([`Call::thread_pool`]):
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use dlbridge::spec::Rank;
+///
+/// /// A table made once per compiled executable.
+/// struct Squares {
+///     table: Vec<f32>,
+///     calls: AtomicU64,
+/// }
+///
+/// dlbridge::xla_handler! {
+///     /// `out[i] = x[i]²` for small integers in float32, read from the state's table.
+///     pub fn squares_xla(call, operands: 1, results: 1,
+///                        state: Squares = Squares { table: (0..256).map(|i| (i * i) as f32).collect(), calls: AtomicU64::new(0) }) {
+///         let state = call.state::<Squares>()?;
+///         state.calls.fetch_add(1, Ordering::Relaxed);
+///         let x = call.input::<f32, Rank<1>>(0, "x")?;
+///         let mut out = call.output::<f32, Rank<1>>(0, "out")?;
+///         let x = x.as_slice()?;
+///         let x: &[f32] = &x;
+///         let tmp = call.scratch::<f32>(x.len())?; // freed when the call returns
+///         // Chunks of 1024 elements in parallel on XLA's pool (or this thread alone).
+///         call.thread_pool().for_each_chunk_mut(tmp, 1024, |i, chunk| {
+///             for (k, t) in chunk.iter_mut().enumerate() {
+///                 let v = x[i * 1024 + k];
+///                 *t = state.table.get(v as usize).copied().unwrap_or(v * v);
+///             }
+///         })?;
+///         out.as_slice_mut()?.copy_from_slice(tmp);
+///         Ok(())
+///     }
+/// }
+/// // SAFETY: a handler of this crate, which answers XLA's metadata query.
+/// assert!(unsafe { dlbridge::xla::needs_instantiate(squares_xla) });
+/// ```
+///
+/// The state is shared by the calls of an executable, on any thread: it is `Send + Sync`.
+///
+/// ```compile_fail,E0277
+/// dlbridge::xla_handler! {
+///     fn h(call, operands: 0, results: 0, state: std::rc::Rc<u8> = std::rc::Rc::new(1)) {
+///         let _ = call;
+///         Ok(())
+///     }
+/// }
+/// ```
+///
+/// The declaration of what the handler reads is required:
 ///
 /// ```compile_fail
 /// dlbridge::xla_handler! {
@@ -1489,17 +1584,19 @@ const _: Order = Order::C;
 #[macro_export]
 macro_rules! xla_handler {
     ($(#[$m:meta])* $vis:vis fn $name:ident(
-        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])? $(,)?
+        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
+        $(, state: $sty:ty = $sinit:expr)? $(,)?
     ) $body:block) => {
-        $crate::xla_handler!(@emit handle, ($n, $r, [$($($a),*)?]), $(#[$m])* $vis fn $name($call) $body);
+        $crate::xla_handler!(@emit handle, ($n, $r, [$($($a),*)?], [$($sty, $sinit)?]), $(#[$m])* $vis fn $name($call) $body);
     };
     ($(#[$m:meta])* $vis:vis cuda fn $name:ident(
-        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])? $(,)?
+        $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
+        $(, state: $sty:ty = $sinit:expr)? $(,)?
     ) $body:block) => {
-        $crate::xla_handler!(@emit handle_cuda, ($n, $r, [$($($a),*)?]), $(#[$m])* $vis fn $name($call) $body);
+        $crate::xla_handler!(@emit handle_cuda, ($n, $r, [$($($a),*)?], [$($sty, $sinit)?]), $(#[$m])* $vis fn $name($call) $body);
     };
     // One expansion for both platforms: `$handle` is `xla::handle` or `xla::handle_cuda`.
-    (@emit $handle:ident, ($n:expr, $r:expr, [$($a:expr),*]), $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
+    (@emit $handle:ident, ($n:expr, $r:expr, [$($a:expr),*], [$($sty:ty, $sinit:expr)?]), $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
         $(#[$m])*
         ///
         /// # Safety
@@ -1510,7 +1607,15 @@ macro_rules! xla_handler {
         ) -> *mut $crate::xla_ffi::XLA_FFI_Error {
             // What the body reads, checked against the call before it runs (evaluated at compile
             // time: an attribute named twice does not compile).
-            const SIGNATURE: $crate::xla::Signature = $crate::xla::Signature::new($n, $r, &[$($a),*]);
+            $(
+                // The state, made at XLA's instantiate stage (once per compiled executable).
+                fn make_state() -> ::std::boxed::Box<dyn ::std::any::Any + ::core::marker::Send + ::core::marker::Sync> {
+                    let state: $sty = $sinit;
+                    ::std::boxed::Box::new(state)
+                }
+            )?
+            const SIGNATURE: $crate::xla::Signature = $crate::xla::Signature::new($n, $r, &[$($a),*])
+                $(.with_state($crate::xla::StateDecl::new::<$sty>(make_state)))?;
             // The body is a safe fn of its own (not code inside this unsafe fn or an unsafe block):
             // an unsafe call in it needs its own `unsafe` block and SAFETY line.
             fn body($call: &mut $crate::xla::Call<'_>) -> $crate::xla::Result<()> {

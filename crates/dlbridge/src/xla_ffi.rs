@@ -443,6 +443,155 @@ pub type XLA_FFI_DeviceOrdinal_Get =
 /// A function of the API table dlbridge never calls (the header has its type): kept for the
 /// table's layout only.
 pub type XLA_FFI_Unused = *const c_void;
+/// `XLA_FFI_Type_Register`.
+pub type XLA_FFI_Type_Register =
+    unsafe extern "C" fn(args: *mut XLA_FFI_Type_Register_Args) -> *mut XLA_FFI_Error;
+/// `XLA_FFI_State_Set`.
+pub type XLA_FFI_State_Set = unsafe extern "C" fn(args: *mut XLA_FFI_State_Set_Args) -> *mut XLA_FFI_Error;
+/// `XLA_FFI_State_Get`.
+pub type XLA_FFI_State_Get = unsafe extern "C" fn(args: *mut XLA_FFI_State_Get_Args) -> *mut XLA_FFI_Error;
+/// `XLA_FFI_DeviceMemory_Allocate`.
+pub type XLA_FFI_DeviceMemory_Allocate =
+    unsafe extern "C" fn(args: *mut XLA_FFI_DeviceMemory_Allocate_Args) -> *mut XLA_FFI_Error;
+/// `XLA_FFI_DeviceMemory_Free`.
+pub type XLA_FFI_DeviceMemory_Free =
+    unsafe extern "C" fn(args: *mut XLA_FFI_DeviceMemory_Free_Args) -> *mut XLA_FFI_Error;
+/// `XLA_FFI_Task`: a task for the thread pool, called once with its `data`.
+pub type XLA_FFI_Task = unsafe extern "C" fn(data: *mut c_void);
+/// `XLA_FFI_ThreadPool_Schedule`.
+pub type XLA_FFI_ThreadPool_Schedule =
+    unsafe extern "C" fn(args: *mut XLA_FFI_ThreadPool_Schedule_Args) -> *mut XLA_FFI_Error;
+/// `XLA_FFI_ThreadPool_NumThreads`.
+pub type XLA_FFI_ThreadPool_NumThreads =
+    unsafe extern "C" fn(args: *mut XLA_FFI_ThreadPool_NumThreads_Args) -> *mut XLA_FFI_Error;
+
+/// `XLA_FFI_TypeInfo`: how XLA frees an object of a registered type (a handler's state).
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_TypeInfo {
+    /// `XLA_FFI_TypeInfo_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// Frees an object of the type.
+    pub deleter: Option<unsafe extern "C" fn(object: *mut c_void)>,
+}
+
+/// `XLA_FFI_Type_Register_Args`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_Type_Register_Args {
+    /// `XLA_FFI_Type_Register_Args_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The type's name (unique in the process).
+    pub name: XLA_FFI_ByteSpan,
+    /// In-out: 0 asks XLA to assign an id, which it writes here.
+    pub type_id: *mut XLA_FFI_TypeId,
+    /// The type's deleter.
+    pub type_info: *const XLA_FFI_TypeInfo,
+}
+
+/// `XLA_FFI_State_Set_Args`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_State_Set_Args {
+    /// `XLA_FFI_State_Set_Args_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The call's context.
+    pub ctx: *mut XLA_FFI_ExecutionContext,
+    /// The stage whose state this is.
+    pub stage: XLA_FFI_ExecutionStage,
+    /// The state's registered type.
+    pub type_id: *mut XLA_FFI_TypeId,
+    /// The state (XLA owns it once set, and frees it with the type's deleter).
+    pub state: *mut c_void,
+}
+
+/// `XLA_FFI_State_Get_Args`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_State_Get_Args {
+    /// `XLA_FFI_State_Get_Args_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The call's context.
+    pub ctx: *mut XLA_FFI_ExecutionContext,
+    /// The stage whose state is read.
+    pub stage: XLA_FFI_ExecutionStage,
+    /// The state's registered type.
+    pub type_id: *mut XLA_FFI_TypeId,
+    /// Out: the state.
+    pub state: *mut c_void,
+}
+
+/// `XLA_FFI_DeviceMemory_Allocate_Args`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_DeviceMemory_Allocate_Args {
+    /// `XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The call's context.
+    pub ctx: *mut XLA_FFI_ExecutionContext,
+    /// Bytes.
+    pub size: usize,
+    /// Their alignment.
+    pub alignment: usize,
+    /// Out: the memory.
+    pub data: *mut c_void,
+}
+
+/// `XLA_FFI_DeviceMemory_Free_Args`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_DeviceMemory_Free_Args {
+    /// `XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The call's context.
+    pub ctx: *mut XLA_FFI_ExecutionContext,
+    /// Bytes (as allocated).
+    pub size: usize,
+    /// The memory.
+    pub data: *mut c_void,
+}
+
+/// `XLA_FFI_ThreadPool_Schedule_Args`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_ThreadPool_Schedule_Args {
+    /// `XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The call's context.
+    pub ctx: *mut XLA_FFI_ExecutionContext,
+    /// The task.
+    pub task: Option<XLA_FFI_Task>,
+    /// Its argument.
+    pub data: *mut c_void,
+}
+
+/// `XLA_FFI_ThreadPool_NumThreads_Args`.
+#[repr(C)]
+#[derive(Debug)]
+pub struct XLA_FFI_ThreadPool_NumThreads_Args {
+    /// `XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE`.
+    pub struct_size: usize,
+    /// Extensions, or NULL.
+    pub extension_start: *mut XLA_FFI_Extension_Base,
+    /// The call's context.
+    pub ctx: *mut XLA_FFI_ExecutionContext,
+    /// Out: where XLA writes the number of threads.
+    pub num_threads: *mut i64,
+}
 
 /// `XLA_FFI_Stream_Get_Args`.
 #[repr(C)]
@@ -519,21 +668,21 @@ pub struct XLA_FFI_Api {
     /// `XLA_FFI_Stream_Get`.
     pub XLA_FFI_Stream_Get: Option<XLA_FFI_Stream_Get>,
     /// `XLA_FFI_Type_Register`.
-    pub XLA_FFI_Type_Register: XLA_FFI_Unused,
+    pub XLA_FFI_Type_Register: Option<XLA_FFI_Type_Register>,
     /// `XLA_FFI_ExecutionContext_Get`.
     pub XLA_FFI_ExecutionContext_Get: XLA_FFI_Unused,
     /// `XLA_FFI_State_Set`.
-    pub XLA_FFI_State_Set: XLA_FFI_Unused,
+    pub XLA_FFI_State_Set: Option<XLA_FFI_State_Set>,
     /// `XLA_FFI_State_Get`.
-    pub XLA_FFI_State_Get: XLA_FFI_Unused,
+    pub XLA_FFI_State_Get: Option<XLA_FFI_State_Get>,
     /// `XLA_FFI_DeviceMemory_Allocate`.
-    pub XLA_FFI_DeviceMemory_Allocate: XLA_FFI_Unused,
+    pub XLA_FFI_DeviceMemory_Allocate: Option<XLA_FFI_DeviceMemory_Allocate>,
     /// `XLA_FFI_DeviceMemory_Free`.
-    pub XLA_FFI_DeviceMemory_Free: XLA_FFI_Unused,
+    pub XLA_FFI_DeviceMemory_Free: Option<XLA_FFI_DeviceMemory_Free>,
     /// `XLA_FFI_ThreadPool_Schedule`.
-    pub XLA_FFI_ThreadPool_Schedule: XLA_FFI_Unused,
+    pub XLA_FFI_ThreadPool_Schedule: Option<XLA_FFI_ThreadPool_Schedule>,
     /// `XLA_FFI_ThreadPool_NumThreads`.
-    pub XLA_FFI_ThreadPool_NumThreads: XLA_FFI_Unused,
+    pub XLA_FFI_ThreadPool_NumThreads: Option<XLA_FFI_ThreadPool_NumThreads>,
     /// `XLA_FFI_Future_Create`.
     pub XLA_FFI_Future_Create: XLA_FFI_Unused,
     /// `XLA_FFI_Future_SetAvailable`.
@@ -590,6 +739,30 @@ struct_size!(
     /// `XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE`.
     XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE = XLA_FFI_DeviceOrdinal_Get_Args, device_ordinal: i32);
 struct_size!(
+    /// `XLA_FFI_TypeInfo_STRUCT_SIZE`.
+    XLA_FFI_TypeInfo_STRUCT_SIZE = XLA_FFI_TypeInfo, deleter: *const c_void);
+struct_size!(
+    /// `XLA_FFI_Type_Register_Args_STRUCT_SIZE`.
+    XLA_FFI_Type_Register_Args_STRUCT_SIZE = XLA_FFI_Type_Register_Args, type_id: *mut XLA_FFI_TypeId);
+struct_size!(
+    /// `XLA_FFI_State_Set_Args_STRUCT_SIZE`.
+    XLA_FFI_State_Set_Args_STRUCT_SIZE = XLA_FFI_State_Set_Args, state: *mut c_void);
+struct_size!(
+    /// `XLA_FFI_State_Get_Args_STRUCT_SIZE`.
+    XLA_FFI_State_Get_Args_STRUCT_SIZE = XLA_FFI_State_Get_Args, state: *mut c_void);
+struct_size!(
+    /// `XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE`.
+    XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE = XLA_FFI_DeviceMemory_Allocate_Args, data: *mut c_void);
+struct_size!(
+    /// `XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE`.
+    XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE = XLA_FFI_DeviceMemory_Free_Args, data: *mut c_void);
+struct_size!(
+    /// `XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE`.
+    XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE = XLA_FFI_ThreadPool_Schedule_Args, data: *mut c_void);
+struct_size!(
+    /// `XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE`.
+    XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE = XLA_FFI_ThreadPool_NumThreads_Args, num_threads: *mut i64);
+struct_size!(
     /// `XLA_FFI_Metadata_STRUCT_SIZE` (up to `traits`, as the header says).
     XLA_FFI_Metadata_STRUCT_SIZE = XLA_FFI_Metadata, traits: u32);
 struct_size!(
@@ -628,6 +801,14 @@ pub fn layout_table() -> Vec<(&'static str, usize)> {
         XLA_FFI_CallFrame { struct_size, extension_start, api, ctx, stage, args, rets, attrs, future }
         XLA_FFI_Stream_Get_Args { struct_size, extension_start, ctx, stream }
         XLA_FFI_DeviceOrdinal_Get_Args { struct_size, extension_start, ctx, device_ordinal }
+        XLA_FFI_TypeInfo { struct_size, extension_start, deleter }
+        XLA_FFI_Type_Register_Args { struct_size, extension_start, name, type_id, type_info }
+        XLA_FFI_State_Set_Args { struct_size, extension_start, ctx, stage, type_id, state }
+        XLA_FFI_State_Get_Args { struct_size, extension_start, ctx, stage, type_id, state }
+        XLA_FFI_DeviceMemory_Allocate_Args { struct_size, extension_start, ctx, size, alignment, data }
+        XLA_FFI_DeviceMemory_Free_Args { struct_size, extension_start, ctx, size, data }
+        XLA_FFI_ThreadPool_Schedule_Args { struct_size, extension_start, ctx, task, data }
+        XLA_FFI_ThreadPool_NumThreads_Args { struct_size, extension_start, ctx, num_threads }
         XLA_FFI_Metadata { struct_size, api_version, traits, state_type_id }
         XLA_FFI_Metadata_Extension { extension_base, metadata }
         XLA_FFI_Api {
@@ -654,6 +835,14 @@ pub fn layout_table() -> Vec<(&'static str, usize)> {
         ("XLA_FFI_CallFrame_STRUCT_SIZE", XLA_FFI_CallFrame_STRUCT_SIZE),
         ("XLA_FFI_Stream_Get_Args_STRUCT_SIZE", XLA_FFI_Stream_Get_Args_STRUCT_SIZE),
         ("XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE", XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE),
+        ("XLA_FFI_TypeInfo_STRUCT_SIZE", XLA_FFI_TypeInfo_STRUCT_SIZE),
+        ("XLA_FFI_Type_Register_Args_STRUCT_SIZE", XLA_FFI_Type_Register_Args_STRUCT_SIZE),
+        ("XLA_FFI_State_Set_Args_STRUCT_SIZE", XLA_FFI_State_Set_Args_STRUCT_SIZE),
+        ("XLA_FFI_State_Get_Args_STRUCT_SIZE", XLA_FFI_State_Get_Args_STRUCT_SIZE),
+        ("XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE", XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE),
+        ("XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE", XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE),
+        ("XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE", XLA_FFI_ThreadPool_Schedule_Args_STRUCT_SIZE),
+        ("XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE", XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE),
         ("XLA_FFI_Metadata_STRUCT_SIZE", XLA_FFI_Metadata_STRUCT_SIZE),
         ("XLA_FFI_Metadata_Extension_STRUCT_SIZE", XLA_FFI_Metadata_Extension_STRUCT_SIZE),
         ("XLA_FFI_Api_STRUCT_SIZE", XLA_FFI_Api_STRUCT_SIZE),

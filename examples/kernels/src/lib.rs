@@ -16,6 +16,8 @@ mod modes;
 mod rms_norm;
 // reduce, poly, channel_affine: string and array attributes (a result shaped by a rule reading them).
 mod reduce;
+// center_rows: a handler with scratch memory, a state made once, and XLA's thread pool.
+mod context;
 
 /// The element types the kernels compute with: each is read and written through `f64`.
 /// (A helper of this example, not part of dlbridge.)
@@ -234,5 +236,6 @@ fn dlbridge_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
     modes::add_kernels(m)?;
     rms_norm::add_kernels(m)?;
     reduce::add_kernels(m)?;
+    context::add_kernels(m)?;
     Ok(())
 }

@@ -11,15 +11,20 @@
 //! over the same memory, as XLA's `input_output_aliases` pass it (copied back when it was not
 //! contiguous). The handler then runs unchanged, with every check it makes under `jax.jit`, and
 //! its error becomes the op's `RuntimeError`. The frame's API table is dlbridge's own: it makes,
-//! reads and frees errors, and gives the CPU stream (NULL); nothing else is reachable.
+//! reads and frees errors, gives the CPU stream (NULL), registers types, and keeps a handler's
+//! state (`xla_handler!`'s `state:`): made by the handler's instantiate stage, run at the first
+//! call that asks for it, and kept for the process. It lends no thread pool (a handler's
+//! parallel loop runs on the calling thread) and no allocator (a handler's scratch is a Rust
+//! allocation anyway).
 //!
 //! The Meta kernel ([`meta_kernel`]) is the same output rule on the meta device: fake tensors and
 //! `torch.compile` need no Python.
 
+use std::cell::Cell;
 use std::ffi::{CStr, CString, c_void};
 use std::ptr::null_mut;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use super::kernel::{Args, KernelError, Outputs, Value, run_boxed};
 use super::library::Library;
@@ -771,12 +776,12 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
     for k in 0..n_rets {
         ret_ptrs[k] = (&raw mut ret_bufs[k]).cast();
     }
-    let api = api_table();
+    let ctx = NativeCtx { handler: op.handler };
     let mut frame = XLA_FFI_CallFrame {
         struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
         extension_start: null_mut(),
-        api: &api,
-        ctx: null_mut(),
+        api: api_table(),
+        ctx: (&raw const ctx).cast_mut().cast(),
         stage: XLA_FFI_ExecutionStage::EXECUTE,
         args: XLA_FFI_Args {
             struct_size: XLA_FFI_Args_STRUCT_SIZE,
@@ -873,7 +878,202 @@ unsafe extern "C" fn stream_get(args: *mut XLA_FFI_Stream_Get_Args) -> *mut XLA_
     null_mut()
 }
 
-fn api_table() -> XLA_FFI_Api {
+/// The call frame's context on this path (what `ctx` points to): the handler being run, whose
+/// state [`state_get`] makes at its first need.
+struct NativeCtx {
+    handler: XLA_FFI_Handler,
+}
+
+/// An error of this module's table saying `message`.
+fn adapter_error(message: &str) -> *mut XLA_FFI_Error {
+    let message = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
+    Box::into_raw(Box::new(AdapterError { message })).cast()
+}
+
+/// The types registered through this table (`XLA_FFI_Type_Register`): name and id, for the
+/// process.
+static TYPES: Mutex<Vec<(String, i64)>> = Mutex::new(Vec::new());
+
+/// The states handlers made through this table: (handler, type id, state), kept for the process
+/// (an op lives as long as the process: its state too, never freed).
+static STATES: Mutex<Vec<(usize, i64, usize)>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// Whether this thread is inside a handler's instantiate stage run by [`state_get`] (a
+    /// handler asking for its state while making it is refused, not recursed into).
+    static INSTANTIATING: Cell<bool> = const { Cell::new(false) };
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+unsafe extern "C" fn type_register(args: *mut XLA_FFI_Type_Register_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler's arguments (the C API's contract); their size is checked first.
+    let a = unsafe { &mut *args };
+    if a.struct_size < XLA_FFI_Type_Register_Args_STRUCT_SIZE || a.type_id.is_null() {
+        return adapter_error("XLA_FFI_Type_Register: arguments too short or without a type id");
+    }
+    let name = if a.name.len == 0 {
+        String::new()
+    } else if a.name.ptr.is_null() {
+        return adapter_error("XLA_FFI_Type_Register: a name without bytes");
+    } else {
+        // SAFETY: `len` bytes at `ptr` (the C API's contract), copied here.
+        String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(a.name.ptr.cast::<u8>(), a.name.len) })
+            .into_owned()
+    };
+    let mut types = lock(&TYPES);
+    // SAFETY: non-NULL (checked), the handler's in-out id.
+    let want = unsafe { (*a.type_id).type_id };
+    if let Some(&(_, id)) = types.iter().find(|(n, _)| *n == name) {
+        // As XLA: a name is registered once; again only with the same id.
+        return if want == id {
+            null_mut()
+        } else {
+            adapter_error(&format!("type name {name} already registered with type id {id}"))
+        };
+    }
+    let id = if want != 0 { want } else { types.iter().map(|&(_, id)| id).max().unwrap_or(0) + 1 };
+    types.push((name, id));
+    // SAFETY: as above.
+    unsafe { (*a.type_id).type_id = id };
+    null_mut()
+}
+
+/// The handler of a frame's context ([`NativeCtx`]), or an error.
+///
+/// # Safety
+///
+/// `ctx` is NULL or the context of a frame this module made (alive for the call).
+unsafe fn native_handler(ctx: *mut XLA_FFI_ExecutionContext) -> Result<XLA_FFI_Handler, *mut XLA_FFI_Error> {
+    if ctx.is_null() {
+        return Err(adapter_error("no execution context"));
+    }
+    // SAFETY: the caller's contract.
+    Ok(unsafe { (*ctx.cast::<NativeCtx>()).handler })
+}
+
+unsafe extern "C" fn state_set(args: *mut XLA_FFI_State_Set_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler's arguments (the C API's contract); their size is checked first.
+    let a = unsafe { &*args };
+    if a.struct_size < XLA_FFI_State_Set_Args_STRUCT_SIZE || a.type_id.is_null() {
+        return adapter_error("XLA_FFI_State_Set: arguments too short or without a type id");
+    }
+    if a.stage != XLA_FFI_ExecutionStage::INSTANTIATE {
+        return adapter_error(&format!("XLA_FFI_State_Set: stage {} has no state", a.stage.0));
+    }
+    // SAFETY: the context of the frame being run (this module's).
+    let handler = match unsafe { native_handler(a.ctx) } {
+        Ok(h) => h,
+        Err(e) => return e,
+    };
+    // SAFETY: non-NULL (checked).
+    let id = unsafe { (*a.type_id).type_id };
+    let mut states = lock(&STATES);
+    if states.iter().any(|&(h, t, _)| h == handler as usize && t == id) {
+        // As XLA: not taken (the handler frees it).
+        return adapter_error("XLA_FFI_State_Set: the state is already set");
+    }
+    states.push((handler as usize, id, a.state as usize));
+    null_mut()
+}
+
+unsafe extern "C" fn state_get(args: *mut XLA_FFI_State_Get_Args) -> *mut XLA_FFI_Error {
+    // SAFETY: the handler's arguments (the C API's contract); their size is checked first.
+    let a = unsafe { &mut *args };
+    if a.struct_size < XLA_FFI_State_Get_Args_STRUCT_SIZE || a.type_id.is_null() {
+        return adapter_error("XLA_FFI_State_Get: arguments too short or without a type id");
+    }
+    if a.stage != XLA_FFI_ExecutionStage::INSTANTIATE {
+        return adapter_error(&format!("XLA_FFI_State_Get: stage {} has no state", a.stage.0));
+    }
+    // SAFETY: the context of the frame being run (this module's).
+    let handler = match unsafe { native_handler(a.ctx) } {
+        Ok(h) => h,
+        Err(e) => return e,
+    };
+    // SAFETY: non-NULL (checked).
+    let id = unsafe { (*a.type_id).type_id };
+    let find =
+        || lock(&STATES).iter().find(|&&(h, t, _)| h == handler as usize && t == id).map(|&(_, _, s)| s);
+    if let Some(state) = find() {
+        a.state = state as *mut c_void;
+        return null_mut();
+    }
+    // The op's first need of its state: the handler's instantiate stage, run here once (two
+    // threads may both run it: the second State_Set is refused and its state freed).
+    if INSTANTIATING.with(Cell::get) {
+        return adapter_error("XLA_FFI_State_Get: called while the state is being made");
+    }
+    INSTANTIATING.with(|c| c.set(true));
+    let err = instantiate(handler, a.ctx);
+    INSTANTIATING.with(|c| c.set(false));
+    match find() {
+        Some(state) => {
+            if !err.is_null() {
+                // SAFETY: an error of this table (error_create or adapter_error), freed once.
+                drop(unsafe { Box::from_raw(err.cast::<AdapterError>()) });
+            }
+            a.state = state as *mut c_void;
+            null_mut()
+        }
+        None if !err.is_null() => err,
+        None => adapter_error("the handler's instantiate stage made no state"),
+    }
+}
+
+/// Runs `handler`'s instantiate stage (no operands, results or attributes) with this table.
+fn instantiate(handler: XLA_FFI_Handler, ctx: *mut XLA_FFI_ExecutionContext) -> *mut XLA_FFI_Error {
+    let mut frame = XLA_FFI_CallFrame {
+        struct_size: XLA_FFI_CallFrame_STRUCT_SIZE,
+        extension_start: null_mut(),
+        api: api_table(),
+        ctx,
+        stage: XLA_FFI_ExecutionStage::INSTANTIATE,
+        args: XLA_FFI_Args {
+            struct_size: XLA_FFI_Args_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: 0,
+            types: null_mut(),
+            args: null_mut(),
+        },
+        rets: XLA_FFI_Rets {
+            struct_size: XLA_FFI_Rets_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: 0,
+            types: null_mut(),
+            rets: null_mut(),
+        },
+        attrs: XLA_FFI_Attrs {
+            struct_size: XLA_FFI_Attrs_STRUCT_SIZE,
+            extension_start: null_mut(),
+            size: 0,
+            types: null_mut(),
+            names: null_mut(),
+            attrs: null_mut(),
+        },
+        future: null_mut(),
+    };
+    // SAFETY: a complete frame of this module's making, for the handler the op runs (its
+    // contract is XLA's, which the frame meets: the instantiate stage has no buffers).
+    unsafe { handler(&mut frame) }
+}
+
+/// The table, one for the process: a handler's state type is registered once per table (XLA's
+/// is a static object too).
+fn api_table() -> &'static XLA_FFI_Api {
+    /// The table's functions and NULLs, shared by every thread (nothing in it is ever written).
+    struct Table(XLA_FFI_Api);
+    // SAFETY: read-only after it is made: its pointers are functions of this module and NULLs.
+    unsafe impl Sync for Table {}
+    // SAFETY: as Sync.
+    unsafe impl Send for Table {}
+    static TABLE: OnceLock<Table> = OnceLock::new();
+    &TABLE.get_or_init(|| Table(make_api_table())).0
+}
+
+fn make_api_table() -> XLA_FFI_Api {
     XLA_FFI_Api {
         struct_size: XLA_FFI_Api_STRUCT_SIZE,
         extension_start: null_mut(),
@@ -889,14 +1089,14 @@ fn api_table() -> XLA_FFI_Api {
         XLA_FFI_Error_Destroy: Some(error_destroy),
         XLA_FFI_Handler_Register: std::ptr::null(),
         XLA_FFI_Stream_Get: Some(stream_get),
-        XLA_FFI_Type_Register: std::ptr::null(),
+        XLA_FFI_Type_Register: Some(type_register),
         XLA_FFI_ExecutionContext_Get: std::ptr::null(),
-        XLA_FFI_State_Set: std::ptr::null(),
-        XLA_FFI_State_Get: std::ptr::null(),
-        XLA_FFI_DeviceMemory_Allocate: std::ptr::null(),
-        XLA_FFI_DeviceMemory_Free: std::ptr::null(),
-        XLA_FFI_ThreadPool_Schedule: std::ptr::null(),
-        XLA_FFI_ThreadPool_NumThreads: std::ptr::null(),
+        XLA_FFI_State_Set: Some(state_set),
+        XLA_FFI_State_Get: Some(state_get),
+        XLA_FFI_DeviceMemory_Allocate: None,
+        XLA_FFI_DeviceMemory_Free: None,
+        XLA_FFI_ThreadPool_Schedule: None,
+        XLA_FFI_ThreadPool_NumThreads: None,
         XLA_FFI_Future_Create: std::ptr::null(),
         XLA_FFI_Future_SetAvailable: std::ptr::null(),
         XLA_FFI_Future_SetError: std::ptr::null(),

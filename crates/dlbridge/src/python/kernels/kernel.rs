@@ -70,7 +70,8 @@ pub struct KernelDef<'a> {
     pub mutates: &'a [&'a str],
     /// The XLA FFI handler (CPU) that runs the kernel inside `jax.jit`. Its target is registered
     /// with jax when the kernel is made (or right after jax's own import), so a deserialized
-    /// `jax.export` that calls it runs in any process that imported the extension.
+    /// `jax.export` that calls it runs in any process that imported the extension. A handler
+    /// with a state (`xla_handler!`'s `state:`) is registered for XLA's instantiate stage too.
     pub ffi: Option<XLA_FFI_Handler>,
     /// `jax.vmap`'s method for the FFI call (`"sequential"`, `"broadcast_all"`, ...).
     pub vmap_method: &'a str,
@@ -266,8 +267,24 @@ pub fn add_kernel<'py>(
     #[cfg(not(all(feature = "torch-stable", unix)))]
     let _ = &resolved;
     #[cfg(not(all(feature = "torch-stable", unix)))]
-    if let Some(h) = def.ffi {
-        kw.set_item("ffi", xla_capsule(py, h)?)?;
+    let native = match def.ffi {
+        Some(h) => {
+            let capsule = xla_capsule(py, h)?;
+            kw.set_item("ffi", &capsule)?;
+            Some(capsule)
+        }
+        None => None,
+    };
+    if let (Some(h), Some(capsule)) = (def.ffi, &native)
+        // SAFETY: `ffi` is an XLA FFI handler (its documented contract), which answers XLA's
+        // metadata query as jax's registration makes it do.
+        && unsafe { crate::xla::needs_instantiate(h) }
+    {
+        // Its state is made at XLA's instantiate stage: registered for that stage too.
+        let bundle = PyDict::new(py);
+        bundle.set_item("instantiate", capsule)?;
+        bundle.set_item("execute", capsule)?;
+        kernels.getattr("_FFI_BUNDLES")?.set_item(capsule, bundle)?;
     }
     kw.set_item("backward", backward)?;
     kw.set_item("jvp", def.jvp)?;
@@ -279,6 +296,9 @@ pub fn add_kernel<'py>(
     if let (Err(_), Some(capsule)) = (&kernel, &native) {
         // The declaration was refused: its registrar goes too.
         kernels.getattr("_NATIVE_OPS")?.call_method1("pop", (capsule, py.None()))?;
+    }
+    if let (Err(_), Some(capsule)) = (&kernel, &native) {
+        kernels.getattr("_FFI_BUNDLES")?.call_method1("pop", (capsule, py.None()))?;
     }
     let kernel = kernel?;
     let name: String = kernel.getattr("__name__")?.extract()?;
