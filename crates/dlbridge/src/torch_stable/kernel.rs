@@ -83,6 +83,9 @@ impl From<crate::xla::FfiError> for KernelError {
 
 /// A kernel's argument or result values: inline for the usual op (no allocation per call),
 /// on the heap past [`Slots::INLINE`].
+// Large by design: the inline variant is what spares the allocation (it lives on the stack of
+// one kernel call).
+#[allow(clippy::large_enum_variant)]
 enum Slots {
     Inline { len: usize, items: [Option<Value>; Slots::INLINE] },
     Heap(Vec<Option<Value>>),
