@@ -14,6 +14,8 @@ use pyo3::prelude::*;
 mod modes;
 // rms_norm: two results, a residual, a weight gradient (the guide's chapter on layers).
 mod rms_norm;
+// Optional tensors and lists of tensors: scale_shift(x, weight, bias=None), accumulate(x, xs, weights).
+mod params;
 
 /// The element types the kernels compute with: each is read and written through `f64`.
 /// (A helper of this example, not part of dlbridge.)
@@ -231,5 +233,6 @@ fn dlbridge_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Each kernel also inside jax.jit and torch.compile (needs the dlbridge Python package).
     modes::add_kernels(m)?;
     rms_norm::add_kernels(m)?;
+    params::add_kernels(m)?;
     Ok(())
 }
