@@ -721,7 +721,13 @@ class Kernel:
                     r = 10
                 route |= r
         if route == 0:
-            return self._fn(*args, **kwargs)
+            try:
+                return self._fn(*args, **kwargs)
+            except TypeError:
+                # None for a tensor that is not optional: said in the author's terms (asked only
+                # once the call failed).
+                self._refuse_nones_in(args, kwargs)
+                raise
         if route & 16:
             route = self._route_with_items(args, kwargs)
             if route == 0:
@@ -743,6 +749,9 @@ class Kernel:
             return self._torch_call(self._bind(args, kwargs))
         try:
             return self._fn(*args, **kwargs)
+        except TypeError:
+            self._refuse_nones_in(args, kwargs)
+            raise
         except BufferError:
             # A torch.func transform's wrapped tensor (vmap's batched tensor) has no memory of
             # its own, so the function refused it at conversion, before its body ran: the op's
@@ -766,6 +775,15 @@ class Kernel:
                     r = 10
                 route |= r & ~16
         return route
+
+    def _refuse_nones_in(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """``_refuse_nones`` over a call's arguments, if one is None."""
+        if any(a is None for a in args) or any(a is None for a in kwargs.values()):
+            try:
+                vals = self._bind(tuple(args), dict(kwargs))
+            except TypeError:
+                return
+            self._refuse_nones(vals)
 
     def _refuse_nones(self, vals: Sequence[Any]) -> None:
         """None for a tensor parameter that is not optional: said in the author's terms."""
@@ -1353,7 +1371,7 @@ class Kernel:
             named += [(n, np.int64(c)) for n, c in counts]
         else:
             tensors = [vals[i] for i in self._tensor_idx]
-            if None in tensors:
+            if any(t is None for t in tensors):
                 self._refuse_nones(vals)
         attrs = tuple(named)
         for t in tensors:
