@@ -1088,7 +1088,9 @@ class Kernel:
         if register is None:
             return None
         defaults = {
-            n: d for n, d in zip(self._params, self._defaults, strict=True) if n in self._attrs and d is not _EMPTY
+            n: d
+            for n, d in zip(self._params, self._defaults, strict=True)
+            if (n in self._attrs and d is not _EMPTY) or (n in self._optional and d is None)
         }
         self._native_fallback = register(ns, opname, self._params, defaults)
         return getattr(namespace, opname) if self._native_fallback is None else None

@@ -317,3 +317,57 @@ def test_declarations_are_checked():
     ]:
         with pytest.raises(ValueError, match=words):
             dlbridge.kernels.kernel(f, **kw)
+
+
+# --- the native torch op (torch's stable C ABI: Tensor? boxes and Tensor[] lists decoded in Rust) ---
+
+
+def test_the_kernels_are_native_ops(torch):
+    for kern in (K.scale_shift, K.accumulate):
+        kern.torch_op  # made
+        assert kern._native_fallback is None, kern._native_fallback
+        assert type(kern.torch_op).__name__ == "OpOverloadPacket"
+
+
+def test_the_native_op_frees_every_box_list_and_handle(torch):
+    """Each handle torch gives the kernel (inside an optional's box, a list's items) is deleted
+    once: a leaked one would hold its tensor's storage (its use count would grow by one a call);
+    one deleted twice would crash. Failing calls (an item of another dtype) free them too."""
+    uses = lambda t: torch._C._storage_Use_Count(t.untyped_storage()._cdata)  # noqa: E731
+    x, w, b = (torch.from_numpy(a) for a in data())
+    x2, xs, ws = terms()
+    x2, ws = torch.from_numpy(x2), torch.from_numpy(ws)
+    xs = [torch.from_numpy(a) for a in xs]
+    every = [x, w, b, x2, ws, *xs]
+    before = [uses(t) for t in every]
+    bad = [xs[0], xs[1].double(), xs[2]]
+    for _ in range(50):
+        K.scale_shift._overload(x, w, b)
+        K.scale_shift._overload(x, w, None)
+        K.accumulate._overload(x2, xs, ws)
+        K.accumulate._overload(x2, [], ws[:0])
+        with pytest.raises(RuntimeError, match=r"xs\[1\]: expected float32"):
+            K.accumulate._overload(x2, bad, ws)
+        with pytest.raises(RuntimeError, match="bias: expected float32"):
+            K.scale_shift._overload(x, w, b.double())
+    assert [uses(t) for t in every] == before
+
+
+def test_the_native_op_runs_no_python_under_inference_mode(torch):
+    import sys
+
+    x, w, b = (torch.from_numpy(a) for a in data())
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename != __file__:
+            seen.append(frame.f_code.co_filename)
+
+    with torch.inference_mode():
+        sys.setprofile(profile)
+        try:
+            K.scale_shift._overload(x, w, b)
+            K.accumulate._overload(x, [x, x], torch.ones(2))
+        finally:
+            sys.setprofile(None)
+    assert not [f for f in seen if f == dlbridge.kernels.__file__ or "torch/_library/" in f], seen

@@ -6,7 +6,7 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::signature::{ArgKind, OpSignature};
-use super::sys::{AtenTensorHandle, StableIValue, StringHandle};
+use super::sys::{AtenTensorHandle, StableIValue, StableListHandle, StringHandle};
 use super::{EXTENSION_ABI_VERSION, Error, Result, Tensor, Torch};
 
 /// An argument or result, owned.
@@ -22,6 +22,10 @@ pub enum Value {
     Bool(bool),
     /// A `str`.
     Str(String),
+    /// A `Tensor?` argument: a tensor (an owning handle) or None.
+    OptTensor(Option<Tensor>),
+    /// A `Tensor[]` argument: its tensors (owning handles), in order.
+    TensorList(Vec<Tensor>),
 }
 
 impl Value {
@@ -32,6 +36,8 @@ impl Value {
             Self::Float(_) => "float",
             Self::Bool(_) => "bool",
             Self::Str(_) => "str",
+            Self::OptTensor(_) => "Tensor?",
+            Self::TensorList(_) => "Tensor[]",
         }
     }
 }
@@ -141,6 +147,22 @@ impl Args {
         match self.get(i, "bool")? {
             &Value::Bool(v) => Ok(v),
             v => Err(self.wrong(i, "bool", v)),
+        }
+    }
+
+    /// `Tensor?` argument `i`: the tensor, or `None`.
+    pub fn opt_tensor(&self, i: usize) -> Result<Option<&Tensor>, KernelError> {
+        match self.get(i, "Tensor?")? {
+            Value::OptTensor(t) => Ok(t.as_ref()),
+            v => Err(self.wrong(i, "Tensor?", v)),
+        }
+    }
+
+    /// `Tensor[]` argument `i`: its tensors, in order.
+    pub fn tensor_list(&self, i: usize) -> Result<&[Tensor], KernelError> {
+        match self.get(i, "Tensor[]")? {
+            Value::TensorList(t) => Ok(t),
+            v => Err(self.wrong(i, "Tensor[]", v)),
         }
     }
 
@@ -321,6 +343,22 @@ unsafe fn take_args(
                     None
                 }
             },
+            // SAFETY: a Tensor? argument is 0 or an owning box of an owning handle.
+            ArgKind::OptTensor => match unsafe { take_optional(&torch, raw) } {
+                Ok(t) => Some(Value::OptTensor(t)),
+                Err(e) => {
+                    first_error.get_or_insert_with(|| KernelError(format!("argument {name}: {e}")));
+                    None
+                }
+            },
+            // SAFETY: a Tensor[] argument is an owning list of owning handles.
+            ArgKind::TensorList => match unsafe { take_list(&torch, raw) } {
+                Ok(t) => Some(Value::TensorList(t)),
+                Err(e) => {
+                    first_error.get_or_insert_with(|| KernelError(format!("argument {name}: {e}")));
+                    None
+                }
+            },
         };
         values.push(v);
     }
@@ -365,6 +403,169 @@ unsafe fn take_string(torch: &Torch, h: StringHandle) -> Result<String> {
     s
 }
 
+/// What decoding a `Tensor?` or `Tensor[]` argument asks of torch (a trait, so the decoding and
+/// every free it makes can be tested with counters).
+pub(crate) trait Unbox {
+    /// What an owning handle becomes (dropping it deletes the handle).
+    type Tensor;
+    /// The tensor of an owning handle (`None` for NULL).
+    ///
+    /// # Safety
+    ///
+    /// `raw` is NULL or an owning tensor handle nothing else deletes.
+    unsafe fn tensor(&self, raw: StableIValue) -> Option<Self::Tensor>;
+    /// Frees an optional argument's box (`Err`: it cannot be freed here; it is leaked).
+    ///
+    /// # Safety
+    ///
+    /// `b` is a box torch made for an optional argument, freed once.
+    unsafe fn free_box(&self, b: *mut StableIValue) -> Result<(), String>;
+    /// A list's length.
+    ///
+    /// # Safety
+    ///
+    /// `l` is a live list.
+    unsafe fn list_size(&self, l: StableListHandle) -> Result<usize, String>;
+    /// A list's item `i` (below its length), its encoding copied out.
+    ///
+    /// # Safety
+    ///
+    /// `l` is a live list.
+    unsafe fn list_item(&self, l: StableListHandle, i: usize) -> Result<StableIValue, String>;
+    /// Frees a list (not what its items own).
+    ///
+    /// # Safety
+    ///
+    /// `l` is an owning list, freed once.
+    unsafe fn free_list(&self, l: StableListHandle);
+}
+
+impl Unbox for &'static Torch {
+    type Tensor = Tensor;
+
+    unsafe fn tensor(&self, raw: StableIValue) -> Option<Tensor> {
+        // SAFETY: the caller's contract.
+        unsafe { Tensor::from_raw(self, raw as usize as AtenTensorHandle) }
+    }
+
+    unsafe fn free_box(&self, b: *mut StableIValue) -> Result<(), String> {
+        // torch 2.13+ frees it with its own function (a plain `delete`); before, torch made it
+        // with C++ `new`, so C++ `delete` frees it.
+        if let Some(f) = self.syms.torch_delete_stable_ivalue {
+            // SAFETY: the caller's contract: torch's box, freed once.
+            return if unsafe { f(b) } == 0 {
+                Ok(())
+            } else {
+                Err("torch_delete_stable_ivalue failed".into())
+            };
+        }
+        match self.syms._ZdlPv {
+            Some(f) => {
+                // SAFETY: as above: a `new StableIValue` of this libtorch's C++ runtime.
+                unsafe { f(b.cast()) };
+                Ok(())
+            }
+            None => Err("this torch exports no function to free an optional argument's box".into()),
+        }
+    }
+
+    unsafe fn list_size(&self, l: StableListHandle) -> Result<usize, String> {
+        let f = self.need(self.syms.torch_list_size, "torch_list_size").map_err(|e| e.to_string())?;
+        let mut n = 0usize;
+        // SAFETY: a live list and a place for its length.
+        self.check(unsafe { f(l, &mut n) }, "torch_list_size").map_err(|e| e.to_string())?;
+        Ok(n)
+    }
+
+    unsafe fn list_item(&self, l: StableListHandle, i: usize) -> Result<StableIValue, String> {
+        let f = self.need(self.syms.torch_list_get_item, "torch_list_get_item").map_err(|e| e.to_string())?;
+        let mut v: StableIValue = 0;
+        // SAFETY: a live list, an index below its length, a place for the item.
+        self.check(unsafe { f(l, i, &mut v) }, "torch_list_get_item").map_err(|e| e.to_string())?;
+        Ok(v)
+    }
+
+    unsafe fn free_list(&self, l: StableListHandle) {
+        if let Some(f) = self.syms.torch_delete_list {
+            // SAFETY: the caller's contract: an owning list, freed once.
+            let _ = unsafe { f(l) };
+        }
+    }
+}
+
+/// A `Tensor?` argument taken off the stack: `raw` is 0 (None) or a box holding an owning
+/// tensor handle; the box is freed here (once), the tensor owned by the result.
+///
+/// # Safety
+///
+/// `raw` is a `Tensor?` argument torch put on a kernel's stack (owned by the kernel).
+pub(crate) unsafe fn take_optional<U: Unbox>(u: &U, raw: StableIValue) -> Result<Option<U::Tensor>, String> {
+    if raw == 0 {
+        return Ok(None);
+    }
+    let b = raw as usize as *mut StableIValue;
+    if !b.is_aligned() {
+        return Err("a misaligned optional box".into());
+    }
+    // SAFETY: a box of one StableIValue (the caller's contract), read before it is freed.
+    let inner = unsafe { b.read() };
+    // SAFETY: the inner value is an owning handle, now the result's.
+    let t = unsafe { u.tensor(inner) };
+    // SAFETY: the box, freed once (its content was copied out above).
+    let freed = unsafe { u.free_box(b) };
+    match (t, freed) {
+        (Some(t), Ok(())) => Ok(Some(t)),
+        (None, _) => Err("a NULL tensor in its optional box".into()),
+        (Some(_), Err(e)) => Err(e),
+    }
+}
+
+/// A `Tensor[]` argument taken off the stack: every item's owning handle is taken (a NULL item
+/// is an error, the others are still taken, so dropped), then the list is freed (once).
+///
+/// # Safety
+///
+/// `raw` is a `Tensor[]` argument torch put on a kernel's stack (owned by the kernel).
+pub(crate) unsafe fn take_list<U: Unbox>(u: &U, raw: StableIValue) -> Result<Vec<U::Tensor>, String> {
+    let l = raw as usize as StableListHandle;
+    if l.is_null() {
+        return Err("a NULL list".into());
+    }
+    // SAFETY: a live list (the caller's contract).
+    let n = match unsafe { u.list_size(l) } {
+        Ok(n) => n,
+        Err(e) => {
+            // The items cannot be reached: they leak, never freed twice; the list is freed.
+            // SAFETY: the owning list, freed once.
+            unsafe { u.free_list(l) };
+            return Err(e);
+        }
+    };
+    let mut items = Vec::new();
+    let mut first_error = None;
+    for i in 0..n {
+        // SAFETY: a live list, `i` below its length.
+        match unsafe { u.list_item(l, i) } {
+            // SAFETY: each item is an owning handle, now the result's.
+            Ok(raw) => match unsafe { u.tensor(raw) } {
+                Some(t) => items.push(t),
+                None => {
+                    first_error.get_or_insert_with(|| format!("item {i}: a NULL tensor"));
+                }
+            },
+            Err(e) => {
+                first_error.get_or_insert_with(|| format!("item {i}: {e}"));
+            }
+        }
+    }
+    // SAFETY: the owning list, freed once, after its items were taken.
+    unsafe { u.free_list(l) };
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(items),
+    }
+}
+
 /// Puts the outputs on the stack, all or none (an unset one fails before anything is written).
 ///
 /// # Safety
@@ -380,7 +581,9 @@ unsafe fn put_outputs(stack: *mut StableIValue, outs: Outputs) -> Result<(), Ker
             Value::Int(v) => v as u64,
             Value::Float(v) => v.to_bits(),
             Value::Bool(v) => bool_word(v),
-            Value::Str(_) => unreachable!("Outputs::set refuses str"),
+            Value::Str(_) | Value::OptTensor(_) | Value::TensorList(_) => {
+                unreachable!("Outputs::set refuses str, Tensor? and Tensor[]")
+            }
         };
         // SAFETY: entry i < num_outputs of torch's stack; torch takes the handle.
         unsafe { stack.add(i).write(raw) };
@@ -455,8 +658,16 @@ impl Torch {
         let c_op = CString::new(op).map_err(|_| Error::Invalid(format!("op: {op:?} contains a NUL byte")))?;
         let c_ov = CString::new(overload)
             .map_err(|_| Error::Invalid(format!("overload: {overload:?} contains a NUL byte")))?;
-        if let Some(k) = rets.iter().find(|k| matches!(k, ArgKind::TensorMut)) {
+        if let Some(k) =
+            rets.iter().find(|k| matches!(k, ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList))
+        {
             return Err(Error::Invalid(format!("rets: a result of kind {k:?}")));
+        }
+        if let Some(v) = args.iter().find(|v| matches!(v, Value::OptTensor(_) | Value::TensorList(_))) {
+            return Err(Error::Invalid(format!(
+                "args: a {} argument (not encoded by this call)",
+                v.kind_name()
+            )));
         }
         // Found before anything is encoded, so a missing function leaks nothing.
         let call_new = self.syms.torch_call_dispatcher;
@@ -491,6 +702,7 @@ impl Torch {
                 Value::Float(v) => v.to_bits(),
                 Value::Bool(v) => bool_word(v),
                 Value::Str(_) => stack[i],
+                Value::OptTensor(_) | Value::TensorList(_) => unreachable!("refused above"),
             };
         }
         let code = match (call_new, call_old) {
@@ -532,7 +744,9 @@ impl Torch {
                         continue;
                     }
                 },
-                ArgKind::TensorMut => unreachable!("refused above"),
+                ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList => {
+                    unreachable!("refused above")
+                }
             });
         }
         match first_error {
@@ -562,5 +776,134 @@ impl Torch {
             // SAFETY: the caller's contract.
             let _ = unsafe { f(h) };
         }
+    }
+}
+
+#[cfg(test)]
+mod unbox_tests {
+    //! The decoding of `Tensor?` and `Tensor[]` arguments and what it frees, counted: each box,
+    //! list and tensor handle freed exactly once, whatever fails.
+
+    use std::cell::Cell;
+
+    use super::{StableIValue, StableListHandle, Unbox, take_list, take_optional};
+
+    /// Handles are boxed ids; boxes are `Box<u64>`; lists `Box<Vec<u64>>`. Every free counted.
+    #[derive(Default)]
+    struct Counting {
+        tensors_deleted: Cell<usize>,
+        boxes_freed: Cell<usize>,
+        lists_freed: Cell<usize>,
+        /// Make list_item fail at this index.
+        fail_item: Option<usize>,
+    }
+
+    /// An owning fake handle: deleting it counts.
+    #[derive(Debug)]
+    struct Handle<'c>(Box<u32>, &'c Cell<usize>);
+
+    impl Drop for Handle<'_> {
+        fn drop(&mut self) {
+            self.1.set(self.1.get() + 1);
+        }
+    }
+
+    fn handle(id: u32) -> StableIValue {
+        Box::into_raw(Box::new(id)) as usize as u64
+    }
+
+    impl<'c> Unbox for &'c Counting {
+        type Tensor = Handle<'c>;
+
+        unsafe fn tensor(&self, raw: StableIValue) -> Option<Handle<'c>> {
+            let p = raw as usize as *mut u32;
+            // SAFETY: made by handle() (an owning box), taken once.
+            (!p.is_null()).then(|| Handle(unsafe { Box::from_raw(p) }, &self.tensors_deleted))
+        }
+
+        unsafe fn free_box(&self, b: *mut StableIValue) -> Result<(), String> {
+            // SAFETY: made by Box::into_raw in the test, freed once.
+            drop(unsafe { Box::from_raw(b) });
+            self.boxes_freed.set(self.boxes_freed.get() + 1);
+            Ok(())
+        }
+
+        unsafe fn list_size(&self, l: StableListHandle) -> Result<usize, String> {
+            // SAFETY: a live Box<Vec<u64>> of the test.
+            Ok(unsafe { (&*l.cast::<Vec<u64>>()).len() })
+        }
+
+        unsafe fn list_item(&self, l: StableListHandle, i: usize) -> Result<StableIValue, String> {
+            if self.fail_item == Some(i) {
+                return Err("refused".into());
+            }
+            // SAFETY: as above; i below the length.
+            Ok(unsafe { (&*l.cast::<Vec<u64>>())[i] })
+        }
+
+        unsafe fn free_list(&self, l: StableListHandle) {
+            // SAFETY: made by Box::into_raw in the test, freed once.
+            drop(unsafe { Box::from_raw(l.cast::<Vec<u64>>()) });
+            self.lists_freed.set(self.lists_freed.get() + 1);
+        }
+    }
+
+    fn list(items: Vec<u64>) -> StableIValue {
+        Box::into_raw(Box::new(items)) as usize as u64
+    }
+
+    #[test]
+    fn an_optional_tensor_frees_its_box_once_and_owns_the_tensor() {
+        let c = Counting::default();
+        // SAFETY: 0 is None.
+        assert!(unsafe { take_optional(&&c, 0) }.unwrap().is_none());
+        assert_eq!(c.boxes_freed.get(), 0);
+        let boxed = Box::into_raw(Box::new(handle(7))) as usize as u64;
+        // SAFETY: a box of an owning handle.
+        let t = unsafe { take_optional(&&c, boxed) }.unwrap().unwrap();
+        assert_eq!((*t.0, c.boxes_freed.get(), c.tensors_deleted.get()), (7, 1, 0));
+        drop(t);
+        assert_eq!(c.tensors_deleted.get(), 1);
+        // A box holding NULL: an error, the box still freed once.
+        let boxed = Box::into_raw(Box::new(0u64)) as usize as u64;
+        // SAFETY: as above.
+        assert!(unsafe { take_optional(&&c, boxed) }.unwrap_err().contains("NULL tensor"));
+        assert_eq!((c.boxes_freed.get(), c.tensors_deleted.get()), (2, 1));
+    }
+
+    #[test]
+    fn a_list_frees_itself_once_and_owns_each_tensor() {
+        let c = Counting::default();
+        let l = list(vec![handle(1), handle(2), handle(3)]);
+        // SAFETY: an owning list of owning handles.
+        let items = unsafe { take_list(&&c, l) }.unwrap();
+        assert_eq!(items.iter().map(|h| *h.0).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 0));
+        drop(items);
+        assert_eq!(c.tensors_deleted.get(), 3);
+        // SAFETY: an empty list.
+        assert!(unsafe { take_list(&&c, list(vec![])) }.unwrap().is_empty());
+        assert_eq!(c.lists_freed.get(), 2);
+        // SAFETY: NULL is refused before anything is read.
+        assert!(unsafe { take_list(&&c, 0) }.unwrap_err().contains("NULL list"));
+    }
+
+    #[test]
+    fn a_bad_item_fails_the_list_and_every_other_item_is_still_deleted() {
+        let c = Counting::default();
+        let l = list(vec![handle(1), 0, handle(3)]);
+        // SAFETY: an owning list of owning handles (one NULL).
+        let e = unsafe { take_list(&&c, l) }.unwrap_err();
+        assert!(e.contains("item 1: a NULL tensor"), "{e}");
+        assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 2));
+        let c = Counting { fail_item: Some(0), ..Counting::default() };
+        let leaked = handle(9);
+        let l = list(vec![leaked, handle(2)]);
+        // SAFETY: as above; item 0 cannot be read (it stays unreachable, never freed twice).
+        let e = unsafe { take_list(&&c, l) }.unwrap_err();
+        assert!(e.contains("item 0: refused"), "{e}");
+        assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 1));
+        // SAFETY: the unreadable item's handle, freed by the test (not leaked under Miri).
+        drop(unsafe { Box::from_raw(leaked as usize as *mut u32) });
     }
 }

@@ -36,6 +36,12 @@ pub enum ArgKind {
     Bool,
     /// `str`: a `std::string` handle (torch 2.10+). Arguments only.
     Str,
+    /// `Tensor?`: a tensor or None (0, or a heap box holding an owning handle, freed by the
+    /// kernel). Arguments only; its default can be `None`.
+    OptTensor,
+    /// `Tensor[]`: a list of tensors (a `StableListHandle` of owning handles, torch 2.10+; the
+    /// kernel frees the list and owns the handles). Arguments only.
+    TensorList,
 }
 
 impl ArgKind {
@@ -46,6 +52,8 @@ impl ArgKind {
             Self::Float => "float",
             Self::Bool => "bool",
             Self::Str => "str",
+            Self::OptTensor => "Tensor?",
+            Self::TensorList => "Tensor[]",
         }
     }
 }
@@ -142,7 +150,8 @@ impl OpSignature {
                 ArgKind::Int => value.parse::<i64>().is_ok(),
                 ArgKind::Float => value.parse::<f64>().is_ok_and(f64::is_finite),
                 ArgKind::Bool => matches!(value, "True" | "False"),
-                ArgKind::Tensor | ArgKind::TensorMut | ArgKind::Str => false,
+                ArgKind::OptTensor => value == "None",
+                ArgKind::Tensor | ArgKind::TensorMut | ArgKind::Str | ArgKind::TensorList => false,
             };
             if !ok {
                 return Err(Error::Invalid(format!(
@@ -168,7 +177,9 @@ impl OpSignature {
                 }
             }
         }
-        if let Some(k) = self.rets.iter().find(|k| matches!(k, ArgKind::TensorMut | ArgKind::Str)) {
+        if let Some(k) = self.rets.iter().find(|k| {
+            matches!(k, ArgKind::TensorMut | ArgKind::Str | ArgKind::OptTensor | ArgKind::TensorList)
+        }) {
             return Err(Error::Invalid(format!(
                 "{}: a result of kind {k:?} (Tensor, int, float, bool only)",
                 self.name

@@ -38,6 +38,16 @@ pub struct StringOpaque {
 /// `StringHandle`.
 pub type StringHandle = *mut StringOpaque;
 
+/// An opaque `std::vector<StableIValue>*` (`StableListHandle`, torch 2.10+): a `Tensor[]`
+/// argument; freed with `torch_delete_list`, which frees the vector only (its tensor items stay
+/// owning handles).
+#[repr(C)]
+pub struct StableListOpaque {
+    _private: [u8; 0],
+}
+/// `StableListHandle`.
+pub type StableListHandle = *mut StableListOpaque;
+
 /// A boxed kernel as torch calls it: `void(StableIValue* stack, uint64_t num_args,
 /// uint64_t num_outputs)`. `C-unwind`: the kernel reports an error by throwing a C++ exception
 /// (through `aoti_torch_check`), which must pass through its frame.
@@ -161,6 +171,18 @@ symbols! {
     torch_string_length: fn(StringHandle, *mut usize) -> AOTITorchError;
     /// A string's bytes, borrowed (torch 2.10+).
     torch_string_c_str: fn(StringHandle, *mut *const c_char) -> AOTITorchError;
+    /// A list's length (torch 2.10+).
+    torch_list_size: fn(StableListHandle, *mut usize) -> AOTITorchError;
+    /// A list's item, copied out (an owning tensor handle stays the list's to give) (torch 2.10+).
+    torch_list_get_item: fn(StableListHandle, usize, *mut StableIValue) -> AOTITorchError;
+    /// Frees a list (the vector, not what its items own) (torch 2.10+).
+    torch_delete_list: fn(StableListHandle) -> AOTITorchError;
+    /// Frees a heap `StableIValue`, an optional argument's box (torch 2.13+; a plain `delete`).
+    torch_delete_stable_ivalue: fn(*mut StableIValue) -> AOTITorchError;
+    /// C++ `operator delete(void*)`: what frees an optional argument's box before torch 2.13
+    /// (torch made it with `new StableIValue`).
+    #[allow(non_snake_case)]
+    _ZdlPv: fn(*mut c_void);
 
     /// dtype code.
     aoti_torch_dtype_bool: fn() -> i32;

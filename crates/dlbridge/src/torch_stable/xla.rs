@@ -152,7 +152,8 @@ impl XlaOp {
         let sig = &self.signature;
         let bad = |m: String| Err(Error::Invalid(format!("{}: {m}", sig.name())));
         for &(name, kind) in sig.args() {
-            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList)
+            {
                 continue;
             }
             match self.attrs.iter().find(|(n, _)| *n == name) {
@@ -169,9 +170,12 @@ impl XlaOp {
         let tensors =
             sig.args().iter().filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut)).count();
         let mutated = sig.args().iter().filter(|(_, k)| *k == ArgKind::TensorMut).count();
-        let scalars = sig.args().len() - tensors;
-        if tensors > MAX_FRAME_ITEMS
-            || scalars > MAX_FRAME_ITEMS
+        // Optional and list arguments: operands, and a count attribute each.
+        let counted =
+            sig.args().iter().filter(|(_, k)| matches!(k, ArgKind::OptTensor | ArgKind::TensorList)).count();
+        let scalars = sig.args().len() - tensors - counted;
+        if tensors + counted > MAX_FRAME_ITEMS
+            || scalars + counted > MAX_FRAME_ITEMS
             || sig.rets().len() + mutated > MAX_FRAME_ITEMS
         {
             return bad(format!(
@@ -255,10 +259,33 @@ pub unsafe fn run_meta(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_
     }
 }
 
+/// What decoding the op's `Tensor?` and `Tensor[]` arguments needs of this torch (its functions
+/// to free an optional's box and to read and free a list): [`Error::Missing`] without them, so
+/// the op is not defined rather than leak or fail at every call.
+fn needs_for_args(torch: &'static Torch, sig: &OpSignature) -> Result<()> {
+    let kinds = || sig.args().iter().map(|&(_, k)| k);
+    let missing = |symbol| Err(Error::Missing { symbol, torch: torch.version() });
+    if kinds().any(|k| k == ArgKind::OptTensor)
+        && !torch.has("torch_delete_stable_ivalue")
+        && !torch.has("_ZdlPv")
+    {
+        return missing("torch_delete_stable_ivalue");
+    }
+    if kinds().any(|k| k == ArgKind::TensorList) {
+        for f in ["torch_list_size", "torch_list_get_item", "torch_delete_list"] {
+            if !torch.has(f) {
+                return missing(f);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Defines `O`'s op in namespace `ns` and registers its CPU and Meta kernels. The libraries are
 /// kept for the process.
 pub fn register<O: NativeOp>(torch: &'static Torch, ns: &str) -> Result<()> {
     O::OP.validate()?;
+    needs_for_args(torch, &O::OP.signature)?;
     let name = O::OP.signature.name();
     Library::fragment(torch, ns)?.define(&O::OP.signature)?;
     // SAFETY: the op was just defined from O's signature (a definition by anyone else would
@@ -334,6 +361,7 @@ static SLOT_META: [BoxedKernel; RUNTIME_SLOTS] = slots!(slot_meta);
 /// [`validate`](XlaOp::validate). A slot stays taken if torch then refuses the op.
 pub fn register_op(torch: &'static Torch, ns: &str, op: XlaOp) -> Result<()> {
     op.validate()?;
+    needs_for_args(torch, &op.signature)?;
     let i = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
     if i >= RUNTIME_SLOTS {
         return Err(Error::Invalid(format!(
@@ -489,20 +517,50 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     let torch = args_torch(args)?;
     let sig = &op.signature;
     const N: usize = MAX_FRAME_ITEMS;
-    // Operands: every tensor argument, C-contiguous on the CPU.
+    // Operands: every tensor argument, C-contiguous on the CPU (an optional one when given, each
+    // item of a list), in order.
     let mut operands: [Option<Operand<'_>>; N] = std::array::from_fn(|_| None);
+    let mut origins: [Option<&Tensor>; N] = [None; N];
     let mut dtypes = [DataType::BOOL; N];
     let mut names: [&str; N] = [""; N];
     let mut aliased = [0usize; N]; // operand index of each Tensor(a!) argument
-    let (mut n_ops, mut n_aliased) = (0, 0);
+    let mut plain = [0usize; N]; // operand index of each Tensor or Tensor(a!) argument
+    let (mut n_ops, mut n_aliased, mut n_plain) = (0, 0, 0);
+    // The count attribute of each optional or list argument: (name, count).
+    let mut counts: Vec<(String, i64)> = Vec::new();
+    // (Each operand's argument, on the stack: no allocation for an op of plain tensors.)
+    let mut sources: [Option<(usize, &str, ArgKind, &Tensor)>; N] = [None; N];
+    let mut n_sources = 0;
+    macro_rules! source {
+        ($s:expr) => {{
+            if n_sources == N {
+                return Err(too_many(op, "tensor operands", n_sources + 1));
+            }
+            sources[n_sources] = Some($s);
+            n_sources += 1;
+        }};
+    }
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
-        if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
-            continue;
+        match kind {
+            ArgKind::Tensor | ArgKind::TensorMut => source!((i, name, kind, args.tensor(i)?)),
+            ArgKind::OptTensor => {
+                let t = args.opt_tensor(i)?;
+                counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), i64::from(t.is_some())));
+                if let Some(t) = t {
+                    source!((i, name, kind, t));
+                }
+            }
+            ArgKind::TensorList => {
+                let ts = args.tensor_list(i)?;
+                counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), ts.len() as i64));
+                for t in ts {
+                    source!((i, name, kind, t));
+                }
+            }
+            _ => {}
         }
-        if n_ops == N {
-            return Err(too_many(op, "tensor arguments", n_ops + 1));
-        }
-        let t = args.tensor(i)?;
+    }
+    for (i, name, kind, t) in sources.into_iter().flatten() {
         let device = t.device()?;
         if device.kind != super::DeviceKind::Cpu {
             return Err(KernelError(format!("{name}: a {device:?} tensor (this kernel runs on the CPU)")));
@@ -517,6 +575,11 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
             aliased[n_aliased] = n_ops;
             n_aliased += 1;
         }
+        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            plain[n_plain] = n_ops;
+            n_plain += 1;
+        }
+        origins[n_ops] = Some(t);
         dtypes[n_ops] = operand.tensor().dtype()?;
         names[n_ops] = name;
         operands[n_ops] = Some(operand);
@@ -527,18 +590,18 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     // without an autograd formula gets here so (a registered formula runs the op with grad mode
     // off), where the result, or the written argument, would silently carry no gradient.
     if let Some(hooks) = super::version_hooks() {
-        for (i, &(name, kind)) in sig.args().iter().enumerate() {
-            if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
-                continue;
-            }
+        for k in 0..n_ops {
+            let (name, t) = (names[k], origins[k].expect("the first n_ops are set"));
             // SAFETY: a live handle of a defined tensor (its device was read above).
-            if unsafe { (hooks.untracked_grad)(args.tensor(i)?.as_raw()) } {
+            if unsafe { (hooks.untracked_grad)(t.as_raw()) } {
                 return Err(KernelError(format!(
                     "argument '{name}' requires grad in grad mode, but no autograd formula is \
                      registered for this op, so its gradient would be lost: give the kernel a \
                      backward, call it under torch.no_grad(), or detach() '{name}'"
                 )));
             }
+        }
+        for (i, &(name, kind)) in sig.args().iter().enumerate() {
             // SAFETY: a live handle of a defined tensor (its device was read above).
             if kind == ArgKind::TensorMut && !unsafe { (hooks.may_write)(args.tensor(i)?.as_raw()) } {
                 return Err(KernelError(format!(
@@ -556,18 +619,20 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
         None => {}
         Some(OutRule::Like(i)) => {
             // Argument i is a tensor (validate()): its place among the operands.
-            let k = sig.args()[..i]
+            let k = plain[sig.args()[..i]
                 .iter()
                 .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
-                .count();
+                .count()];
             // SAFETY: the operand is held through the call, its metadata unchanged.
             let shape = unsafe { operand(k).sizes_borrowed() }?;
             fresh[0] = Some(torch.empty(shape, dtypes[k], TorchDevice::CPU)?);
             n_fresh = 1;
         }
         Some(OutRule::Fn(_) | OutRule::Dyn(_)) => {
-            let infos: Vec<TensorInfo> = (0..n_ops)
-                .map(|k| Ok(TensorInfo { dtype: dtypes[k], shape: operand(k).sizes()? }))
+            // The tensor arguments' (not the optional or list ones'), as the Meta kernel sees them.
+            let infos: Vec<TensorInfo> = plain[..n_plain]
+                .iter()
+                .map(|&k| Ok(TensorInfo { dtype: dtypes[k], shape: operand(k).sizes()? }))
                 .collect::<Result<_, Error>>()?;
             for o in output_infos(op, &infos, args)? {
                 if n_fresh == N {
@@ -603,7 +668,7 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     let mut string_spans = [NO_SPAN; N];
     let mut n_attrs = 0;
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
-        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList) {
             continue;
         }
         if n_attrs == N {
@@ -644,6 +709,17 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
                 XLA_FFI_DataType::INVALID
             }
         };
+        n_attrs += 1;
+    }
+    // The count of each optional or list argument: an int64 attribute `<name>.count`, as
+    // dlbridge.kernels passes it under jax.jit (the handler declares it: xla::Operand).
+    for (name, n) in &counts {
+        if n_attrs == N {
+            return Err(too_many(op, "scalar arguments", n_attrs + 1));
+        }
+        attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
+        bytemuck_u64(&mut words[n_attrs]).copy_from_slice(&n.to_ne_bytes());
+        scalar_types[n_attrs] = XLA_FFI_DataType::S64;
         n_attrs += 1;
     }
     // Every array is complete and stays where it is until the call returns: pointers into them

@@ -208,18 +208,19 @@ pub fn add_kernel<'py>(
     kw.set_item("mutates", PyTuple::new(py, def.mutates)?)?;
     kw.set_item("optional", PyTuple::new(py, def.optional)?)?;
     kw.set_item("lists", PyTuple::new(py, def.lists)?)?;
-    // The native torch op decodes plain tensors and scalars; a kernel with optional or list
-    // parameters is the Python custom op (torch.library, schema `Tensor?`/`Tensor[]`).
-    let plain = def.optional.is_empty() && def.lists.is_empty();
     #[cfg(all(feature = "torch-stable", unix))]
     let native = match def.ffi {
-        Some(h) if !plain => {
-            kw.set_item("ffi", xla_capsule(py, h)?)?;
-            None
-        }
         Some(h) => {
             let capsule = xla_capsule(py, h)?;
-            let register = super::native::registrar(py, def.out, &resolved, def.attrs, def.mutates, h)?;
+            let register = super::native::registrar(
+                py,
+                def.out,
+                &resolved,
+                def.attrs,
+                def.mutates,
+                (def.optional, def.lists),
+                h,
+            )?;
             kernels.getattr("_NATIVE_OPS")?.set_item(&capsule, register)?;
             kw.set_item("ffi", &capsule)?;
             Some(capsule)
@@ -227,7 +228,7 @@ pub fn add_kernel<'py>(
         None => None,
     };
     #[cfg(not(all(feature = "torch-stable", unix)))]
-    let _ = (&resolved, plain);
+    let _ = &resolved;
     #[cfg(not(all(feature = "torch-stable", unix)))]
     if let Some(h) = def.ffi {
         kw.set_item("ffi", xla_capsule(py, h)?)?;

@@ -41,6 +41,10 @@ pub(super) struct NativeDecl {
     pub(super) results: Vec<Resolved>,
     pub(super) attrs: Vec<(String, String)>,
     pub(super) mutates: Vec<String>,
+    /// Optional tensor parameters (`Tensor?`).
+    pub(super) optional: Vec<String>,
+    /// List-of-tensors parameters (`Tensor[]`).
+    pub(super) lists: Vec<String>,
     pub(super) handler: XLA_FFI_Handler,
 }
 
@@ -50,6 +54,8 @@ pub(super) enum ScalarDefault {
     Int(i64),
     Float(f64),
     Bool(bool),
+    /// An optional tensor's `None`.
+    NoTensor,
 }
 
 impl NativeDecl {
@@ -81,6 +87,8 @@ impl NativeDecl {
             let kind = match attrs.iter().find(|(n, _)| n == p) {
                 Some(&(_, t)) => t.arg_kind(),
                 None if self.mutates.contains(p) => ArgKind::TensorMut,
+                None if self.optional.contains(p) => ArgKind::OptTensor,
+                None if self.lists.contains(p) => ArgKind::TensorList,
                 None => ArgKind::Tensor,
             };
             args.push((p.as_str(), kind));
@@ -111,6 +119,7 @@ impl NativeDecl {
                 ScalarDefault::Float(v) if v.is_finite() => format!("{v:?}"),
                 ScalarDefault::Float(v) => return Err(invalid(format!("default {n}={v} (a finite float)"))),
                 ScalarDefault::Bool(v) => if v { "True" } else { "False" }.to_owned(),
+                ScalarDefault::NoTensor => "None".to_owned(),
             };
             texts.push((n.as_str(), text));
         }
@@ -230,13 +239,17 @@ pub(super) fn registrar<'py>(
     results: &[Resolved],
     attrs: &[(&str, &str)],
     mutates: &[&str],
+    tensors: (&[&str], &[&str]),
     handler: XLA_FFI_Handler,
 ) -> PyResult<Bound<'py, PyCFunction>> {
+    let owned = |v: &[&str]| v.iter().map(|&m| m.to_owned()).collect();
     let decl = NativeDecl {
         out: out.map(str::to_owned),
         results: results.to_vec(),
         attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
-        mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
+        mutates: owned(mutates),
+        optional: owned(tensors.0),
+        lists: owned(tensors.1),
         handler,
     };
     let call = move |args: &Bound<'_, PyTuple>,
@@ -248,6 +261,10 @@ pub(super) fn registrar<'py>(
         let mut ds = Vec::with_capacity(defaults.len());
         for (n, v) in defaults.iter() {
             let n: String = n.extract()?;
+            if decl.optional.contains(&n) && v.is_none() {
+                ds.push((n, ScalarDefault::NoTensor));
+                continue;
+            }
             let Some(t) =
                 decl.attrs.iter().find(|(a, _)| *a == n).and_then(|(_, t)| AttrType::from_numpy_name(t))
             else {
@@ -287,6 +304,8 @@ mod tests {
             results: Vec::new(),
             attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
             mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
+            optional: Vec::new(),
+            lists: Vec::new(),
             handler: nothing,
         }
     }
@@ -326,6 +345,22 @@ mod tests {
             "k_in_place(float a, Tensor x, Tensor(a!) y, int n=-3, bool b=True) -> ()"
         );
         assert!(op.out.is_none());
+    }
+
+    #[test]
+    fn optional_and_list_parameters_are_tensor_and_tensor_list_arguments() {
+        let mut d = decl(Some("x"), &[("eps", "float64")], &[]);
+        d.optional = vec!["bias".into()];
+        d.lists = vec!["xs".into()];
+        let defaults = [("bias".to_owned(), ScalarDefault::NoTensor)];
+        let op = d.op("k", &params(&["x", "xs", "bias", "eps"]), &defaults).unwrap();
+        assert_eq!(
+            op.signature.schema().unwrap(),
+            "k(Tensor x, Tensor[] xs, Tensor? bias=None, float eps) -> Tensor"
+        );
+        // A default of None for a tensor that is not optional is refused.
+        let e = d.op("k", &params(&["x", "xs", "bias", "eps"]), &[("x".to_owned(), ScalarDefault::NoTensor)]);
+        assert!(e.unwrap_err().to_string().contains("default x=\"None\""));
     }
 
     #[test]
