@@ -94,6 +94,9 @@ def test_the_copied_example_and_the_guide_build_outside_the_workspace(tmp_path):
     (crate / "src/rms_norm.rs").write_text(
         "\n".join(re.findall(r'```rust title="src/rms_norm.rs"\n(.*?)```', guide, re.S))
     )
+    (crate / "src/params.rs").write_text(
+        "\n".join(re.findall(r'```rust title="src/params.rs"\n(.*?)```', guide, re.S))
+    )
     so = build(crate)
     call(so, ["dlbridge_kernels"], """
         import numpy as np
