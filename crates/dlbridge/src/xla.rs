@@ -745,10 +745,9 @@ pub struct Call<'a> {
     attr_names: &'a [*mut XLA_FFI_ByteSpan],
     attr_values: &'a [*mut c_void],
     device: Device,
-    /// The declared tensor parameters (empty: operand `i` is parameter `i`).
+    /// The declared tensor parameters (empty: operand `i` is parameter `i`), once the counts
+    /// were checked against the operands.
     params: &'static [Operand],
-    /// Each declared parameter's first operand and operand count (empty with `params`).
-    spans: Vec<(usize, usize)>,
 }
 
 impl fmt::Debug for Call<'_> {
@@ -810,7 +809,6 @@ impl<'a> Call<'a> {
             attr_values: attrs.items,
             device: Device::CPU,
             params: &[],
-            spans: Vec::new(),
         };
         call.check_signature(signature)?;
         if platform == Platform::Cuda {
@@ -869,24 +867,14 @@ impl<'a> Call<'a> {
             }
             return Err(self.params_attrs_error(s));
         }
-        let mut spans = Vec::with_capacity(s.params.len());
         let mut next = 0usize;
         for p in s.params {
             let n = match *p {
                 Operand::Tensor(_) => 1,
                 Operand::Optional(name) | Operand::List(name) => {
-                    let Some(i) = (0..self.attr_names.len())
-                        .find(|&i| self.attr_name(i).is_ok_and(|a| is_count_of(a, name)))
-                    else {
+                    let Some(n) = self.count_of(name)? else {
                         return Err(self.params_attrs_error(s));
                     };
-                    let attr = RawAttr {
-                        kind: XLA_FFI_AttrType(self.attr_kinds[i]),
-                        value: self.attr_values[i],
-                        _frame: PhantomData,
-                    };
-                    let n = i64::from_attr(attr)
-                        .map_err(|e| e.about(&format!("attribute {name}{COUNT_SUFFIX}")))?;
                     let most =
                         if matches!(p, Operand::Optional(_)) { 1 } else { self.args.items.len() as i64 };
                     if !(0..=most).contains(&n) {
@@ -897,7 +885,6 @@ impl<'a> Call<'a> {
                     n as usize
                 }
             };
-            spans.push((next, n));
             next += n;
         }
         if next != self.args.items.len() {
@@ -908,8 +895,40 @@ impl<'a> Call<'a> {
             )));
         }
         self.params = s.params;
-        self.spans = spans;
         Ok(())
+    }
+
+    /// The value of parameter `name`'s count attribute (`None`: the call has none), read as an
+    /// int64 scalar.
+    fn count_of(&self, name: &str) -> Result<Option<i64>> {
+        let Some(i) =
+            (0..self.attr_names.len()).find(|&i| self.attr_name(i).is_ok_and(|a| is_count_of(a, name)))
+        else {
+            return Ok(None);
+        };
+        let attr = RawAttr {
+            kind: XLA_FFI_AttrType(self.attr_kinds[i]),
+            value: self.attr_values[i],
+            _frame: PhantomData,
+        };
+        i64::from_attr(attr).map(Some).map_err(|e| e.about(&format!("attribute {name}{COUNT_SUFFIX}")))
+    }
+
+    /// Declared parameter `index`'s first operand and operand count (the counts were checked
+    /// against the operands before the body ran).
+    fn span_of(&self, index: usize) -> Result<(usize, usize)> {
+        let mut first = 0usize;
+        for (k, p) in self.params.iter().enumerate() {
+            let n = match *p {
+                Operand::Tensor(_) => 1,
+                Operand::Optional(name) | Operand::List(name) => self.count_of(name)?.unwrap_or(0) as usize,
+            };
+            if k == index {
+                return Ok((first, n));
+            }
+            first += n;
+        }
+        Err(FfiError::invalid_argument(format!("no parameter {index}")))
     }
 
     #[cold]
@@ -993,7 +1012,10 @@ impl<'a> Call<'a> {
         let declared = if self.params.is_empty() {
             (index < self.args.items.len()).then_some((Operand::Tensor(name), (index, 1)))
         } else {
-            self.params.get(index).map(|&p| (p, self.spans[index]))
+            match self.params.get(index) {
+                Some(&p) => Some((p, self.span_of(index)?)),
+                None => None,
+            }
         };
         match declared {
             Some((p, span)) if Kind::of(p) == want => Ok(span),

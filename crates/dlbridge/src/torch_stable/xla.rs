@@ -520,7 +520,6 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     // Operands: every tensor argument, C-contiguous on the CPU (an optional one when given, each
     // item of a list), in order.
     let mut operands: [Option<Operand<'_>>; N] = std::array::from_fn(|_| None);
-    let mut origins: [Option<&Tensor>; N] = [None; N];
     let mut dtypes = [DataType::BOOL; N];
     let mut names: [&str; N] = [""; N];
     let mut aliased = [0usize; N]; // operand index of each Tensor(a!) argument
@@ -528,79 +527,68 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     let (mut n_ops, mut n_aliased, mut n_plain) = (0, 0, 0);
     // The count attribute of each optional or list argument: (name, count).
     let mut counts: Vec<(String, i64)> = Vec::new();
-    // (Each operand's argument, on the stack: no allocation for an op of plain tensors.)
-    let mut sources: [Option<(usize, &str, ArgKind, &Tensor)>; N] = [None; N];
-    let mut n_sources = 0;
-    macro_rules! source {
-        ($s:expr) => {{
-            if n_sources == N {
-                return Err(too_many(op, "tensor operands", n_sources + 1));
-            }
-            sources[n_sources] = Some($s);
-            n_sources += 1;
-        }};
-    }
+    let hooks = super::version_hooks();
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
-        match kind {
-            ArgKind::Tensor | ArgKind::TensorMut => source!((i, name, kind, args.tensor(i)?)),
+        let tensors: &[Tensor] = match kind {
+            ArgKind::Tensor | ArgKind::TensorMut => std::slice::from_ref(args.tensor(i)?),
             ArgKind::OptTensor => {
                 let t = args.opt_tensor(i)?;
                 counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), i64::from(t.is_some())));
-                if let Some(t) = t {
-                    source!((i, name, kind, t));
-                }
+                t.map_or(&[], std::slice::from_ref)
             }
             ArgKind::TensorList => {
                 let ts = args.tensor_list(i)?;
                 counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), ts.len() as i64));
-                for t in ts {
-                    source!((i, name, kind, t));
-                }
+                ts
             }
-            _ => {}
-        }
-    }
-    for (i, name, kind, t) in sources.into_iter().flatten() {
-        let device = t.device()?;
-        if device.kind != super::DeviceKind::Cpu {
-            return Err(KernelError(format!("{name}: a {device:?} tensor (this kernel runs on the CPU)")));
-        }
-        let operand = if t.is_contiguous()? {
-            Operand::Borrowed(t)
-        } else {
-            let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
-            Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
+            _ => continue,
         };
-        if kind == ArgKind::TensorMut {
-            aliased[n_aliased] = n_ops;
-            n_aliased += 1;
-        }
-        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
-            plain[n_plain] = n_ops;
-            n_plain += 1;
-        }
-        origins[n_ops] = Some(t);
-        dtypes[n_ops] = operand.tensor().dtype()?;
-        names[n_ops] = name;
-        operands[n_ops] = Some(operand);
-        n_ops += 1;
-    }
-    // What torch's ADInplaceOrView kernel would refuse before the call: writing an inference
-    // tensor outside inference mode. And a tensor that requires grad in grad mode: only an op
-    // without an autograd formula gets here so (a registered formula runs the op with grad mode
-    // off), where the result, or the written argument, would silently carry no gradient.
-    if let Some(hooks) = super::version_hooks() {
-        for k in 0..n_ops {
-            let (name, t) = (names[k], origins[k].expect("the first n_ops are set"));
-            // SAFETY: a live handle of a defined tensor (its device was read above).
-            if unsafe { (hooks.untracked_grad)(t.as_raw()) } {
+        for t in tensors {
+            if n_ops == N {
+                return Err(too_many(op, "tensor operands", n_ops + 1));
+            }
+            let device = t.device()?;
+            if device.kind != super::DeviceKind::Cpu {
                 return Err(KernelError(format!(
-                    "argument '{name}' requires grad in grad mode, but no autograd formula is \
-                     registered for this op, so its gradient would be lost: give the kernel a \
-                     backward, call it under torch.no_grad(), or detach() '{name}'"
+                    "{name}: a {device:?} tensor (this kernel runs on the CPU)"
                 )));
             }
+            // A tensor that requires grad in grad mode: only an op without an autograd formula
+            // gets here so (a registered formula runs the op with grad mode off), where the
+            // result, or the written argument, would silently carry no gradient.
+            if let Some(hooks) = hooks {
+                // SAFETY: a live handle of a defined tensor (its device was read above).
+                if unsafe { (hooks.untracked_grad)(t.as_raw()) } {
+                    return Err(KernelError(format!(
+                        "argument '{name}' requires grad in grad mode, but no autograd formula is \
+                         registered for this op, so its gradient would be lost: give the kernel a \
+                         backward, call it under torch.no_grad(), or detach() '{name}'"
+                    )));
+                }
+            }
+            let operand = if t.is_contiguous()? {
+                Operand::Borrowed(t)
+            } else {
+                let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
+                Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
+            };
+            if kind == ArgKind::TensorMut {
+                aliased[n_aliased] = n_ops;
+                n_aliased += 1;
+            }
+            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+                plain[n_plain] = n_ops;
+                n_plain += 1;
+            }
+            dtypes[n_ops] = operand.tensor().dtype()?;
+            names[n_ops] = name;
+            operands[n_ops] = Some(operand);
+            n_ops += 1;
         }
+    }
+    // What torch's ADInplaceOrView kernel would refuse before the call: writing an inference
+    // tensor outside inference mode.
+    if let Some(hooks) = hooks {
         for (i, &(name, kind)) in sig.args().iter().enumerate() {
             // SAFETY: a live handle of a defined tensor (its device was read above).
             if kind == ArgKind::TensorMut && !unsafe { (hooks.may_write)(args.tensor(i)?.as_raw()) } {
