@@ -371,3 +371,21 @@ def test_the_native_op_runs_no_python_under_inference_mode(torch):
         finally:
             sys.setprofile(None)
     assert not [f for f in seen if f == dlbridge.kernels.__file__ or "torch/_library/" in f], seen
+
+
+def test_jax_tracers_inside_a_list_route_the_call_to_jax():
+    """Only the list's items are tracers (x and weights are numpy): still the XLA call."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    x, xs, ws = terms()
+    got = jax.jit(lambda xs: K.accumulate(x, xs, ws))([jnp.asarray(a) for a in xs])
+    np.testing.assert_allclose(got, ref_accumulate(x, xs, ws), rtol=1e-6)
+
+
+def test_torch_func_vmap_with_an_optional(torch):
+    x, w, b = (torch.from_numpy(a) for a in data())
+    xb = torch.stack([x, 2 * x])
+    got = torch.func.vmap(K.scale_shift, in_dims=(0, None, None))(xb, w, b)
+    torch.testing.assert_close(got, xb * w + b)
+    got = torch.func.vmap(lambda x: K.scale_shift(x, w))(xb)
+    torch.testing.assert_close(got, xb * w)
