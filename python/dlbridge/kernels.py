@@ -65,6 +65,15 @@ Scalar parameters named in ``attrs`` are XLA attributes (static under ``jax.jit`
 the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
 returns its new value (the handler reads and writes the aliased output buffer).
 
+Parameters named in ``optional`` take a tensor or None (torch ``Tensor?``, ``=None`` when the
+function's default is None); those in ``lists`` a list or tuple of tensors (``Tensor[]``). jax's
+``ffi_call`` takes a flat list of operands, so under ``jax.jit`` a list's items go flat, a None
+gives none, and each optional or list parameter adds an int64 attribute ``<name>.count`` (the
+handler declares them: ``xla_handler!(fn h(call, operands: [tensor("x"), optional("bias")], ..))``).
+A backward reads them as the function does (None, a list) and gives a list of gradients for a
+list (one per item); an absent optional's gradient is None. ``torch.func`` transforms of a kernel
+with a list are refused (an ``autograd.Function`` does not see tensors inside a list).
+
 Names: the torch op is ``torch.ops.<namespace>.<name>`` and the XLA FFI target
 ``<namespace>.<name>``, named by ``name=`` and ``namespace=`` or, by default, the function's name
 in the top-level package of its module (``my_kernels.rms_norm`` for ``my_kernels.my_kernels``'s
