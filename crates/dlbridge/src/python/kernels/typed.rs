@@ -381,7 +381,17 @@ impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: HostSpec> TensorMut<'a, T, S
 /// The items are held for the call: a list is copied into a tuple first (its items' references
 /// taken), so Python code run while the kernel runs cannot free an item by changing the list.
 /// Items are reached by reference ([`get`](Self::get), [`iter`](Self::iter), `for x in &xs`),
-/// each borrowed no longer than the list (no `Index`: its output could not say so).
+/// each borrowed no longer than the list (no `Index`: its output could not say so):
+///
+/// ```compile_fail,E0505
+/// use dlbridge::python::TensorList;
+/// use pyo3::prelude::*;
+/// fn first<'a, 'py>(py: Python<'py>, xs: TensorList<'a, f32>) -> Borrowed<'a, 'py, PyAny> {
+///     let o = xs.get(0).unwrap().object(py);
+///     drop(xs); // E0505: the item is borrowed from the list, which holds its object
+///     o
+/// }
+/// ```
 ///
 /// ```no_run
 /// use dlbridge::python::TensorList;
