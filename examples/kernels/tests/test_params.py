@@ -389,3 +389,16 @@ def test_torch_func_vmap_with_an_optional(torch):
     torch.testing.assert_close(got, xb * w + b)
     got = torch.func.vmap(lambda x: K.scale_shift(x, w))(xb)
     torch.testing.assert_close(got, xb * w)
+
+
+def test_jax_vmap_of_a_batched_optional_and_of_the_gradient():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    x, w, b = (jnp.asarray(a) for a in data())
+    bb = jnp.stack([b, 2 * b])
+    got = jax.jit(jax.vmap(K.scale_shift, in_axes=(None, None, 0)))(x, w, bb)
+    np.testing.assert_allclose(got[1], ref_scale_shift(np.asarray(x), np.asarray(w), 2 * np.asarray(b)), rtol=1e-6)
+    # vmap of grad: the backward batched through the linear call's rule.
+    g = jax.vmap(jax.grad(lambda b: (K.scale_shift(x, w, b) ** 2).sum()))(bb)
+    want = jax.vmap(jax.grad(lambda b: (ref_scale_shift(x, w, b) ** 2).sum()))(bb)
+    np.testing.assert_allclose(g, want, rtol=1e-5)
