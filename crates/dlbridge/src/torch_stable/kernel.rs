@@ -638,7 +638,8 @@ impl Torch {
     /// default) through the dispatcher with `args`, and returns its results decoded as `rets`
     /// (`torch_call_dispatcher`, or `aoti_torch_call_dispatcher` before torch 2.10).
     ///
-    /// Torch takes the arguments (tensor handles and strings) once it found the op; when it
+    /// `Tensor?` arguments go in a new box, `Tensor[]` arguments in a new list (torch frees both).
+    /// Torch takes the arguments (tensor handles, strings, boxes and lists) once it found the op; when it
     /// fails before that (no such op) it frees none of them, and which it took is not said, so
     /// they are leaked rather than risk a double free. An error the op (or its kernel) threw is
     /// [`Error::Call`] with its message (torch 2.13+).
@@ -663,12 +664,6 @@ impl Torch {
         {
             return Err(Error::Invalid(format!("rets: a result of kind {k:?}")));
         }
-        if let Some(v) = args.iter().find(|v| matches!(v, Value::OptTensor(_) | Value::TensorList(_))) {
-            return Err(Error::Invalid(format!(
-                "args: a {} argument (not encoded by this call)",
-                v.kind_name()
-            )));
-        }
         // Found before anything is encoded, so a missing function leaks nothing.
         let call_new = self.syms.torch_call_dispatcher;
         let call_old = match call_new {
@@ -692,6 +687,19 @@ impl Torch {
                 }
             }
         }
+        // Then optional boxes and lists (their items the tensors' handles, still owned by `args`
+        // until every encoding succeeded): a failure frees what was made, strings included.
+        let boxed = match self.box_and_list(&args, &mut stack) {
+            Ok(made) => made,
+            Err(e) => {
+                for (_, h) in strings {
+                    // SAFETY: handles made just above, not given to torch.
+                    unsafe { self.delete_string(h) };
+                }
+                return Err(e);
+            }
+        };
+        debug_assert!(boxed <= args.len());
         for (i, h) in strings {
             stack[i] = h as usize as u64;
         }
@@ -702,7 +710,17 @@ impl Torch {
                 Value::Float(v) => v.to_bits(),
                 Value::Bool(v) => bool_word(v),
                 Value::Str(_) => stack[i],
-                Value::OptTensor(_) | Value::TensorList(_) => unreachable!("refused above"),
+                // The box or list (made above) holds the handles, which torch now owns.
+                Value::OptTensor(t) => {
+                    t.map(Tensor::into_raw);
+                    stack[i]
+                }
+                Value::TensorList(ts) => {
+                    ts.into_iter().for_each(|t| {
+                        t.into_raw();
+                    });
+                    stack[i]
+                }
             };
         }
         let code = match (call_new, call_old) {
@@ -753,6 +771,92 @@ impl Torch {
             Some(e) => Err(e),
             None => Ok(out),
         }
+    }
+
+    /// Encodes each `Tensor?` argument with a tensor as a new box and each `Tensor[]` argument
+    /// as a new list, holding the tensors' handles (still owned by `args`), into `stack`; returns
+    /// how many it made. A failure frees every box and list made, and nothing else.
+    fn box_and_list(&'static self, args: &[Value], stack: &mut [StableIValue]) -> Result<usize> {
+        enum Made {
+            Box(*mut StableIValue),
+            List(StableListHandle),
+        }
+        let mut made: Vec<Made> = Vec::new();
+        let free = |made: Vec<Made>| {
+            for m in made {
+                match m {
+                    // SAFETY: a box made below, not given to torch.
+                    Made::Box(b) => unsafe {
+                        let _ = Unbox::free_box(&self, b);
+                    },
+                    // SAFETY: a list made below, not given to torch (its items are borrowed handles).
+                    Made::List(l) => unsafe { Unbox::free_list(&self, l) },
+                }
+            }
+        };
+        for (i, v) in args.iter().enumerate() {
+            let mut step = || -> Result<Option<Made>> {
+                match v {
+                    Value::OptTensor(Some(t)) => {
+                        let new = self.need(self.syms.torch_new_stable_ivalue, "torch_new_stable_ivalue")?;
+                        self.need(self.syms.torch_delete_stable_ivalue, "torch_delete_stable_ivalue")?;
+                        let mut b: *mut StableIValue = std::ptr::null_mut();
+                        // SAFETY: a place for the new box.
+                        self.check(unsafe { new(&mut b) }, "torch_new_stable_ivalue")?;
+                        if b.is_null() || !b.is_aligned() {
+                            return Err(Error::Call {
+                                function: "torch_new_stable_ivalue",
+                                message: "returned NULL".into(),
+                            });
+                        }
+                        // SAFETY: a new box of one StableIValue.
+                        unsafe { b.write(t.as_raw() as usize as u64) };
+                        stack[i] = b as usize as u64;
+                        Ok(Some(Made::Box(b)))
+                    }
+                    Value::OptTensor(None) => {
+                        stack[i] = 0;
+                        Ok(None)
+                    }
+                    Value::TensorList(ts) => {
+                        let new =
+                            self.need(self.syms.torch_new_list_reserve_size, "torch_new_list_reserve_size")?;
+                        let push = self.need(self.syms.torch_list_push_back, "torch_list_push_back")?;
+                        self.need(self.syms.torch_delete_list, "torch_delete_list")?;
+                        let mut l: StableListHandle = std::ptr::null_mut();
+                        // SAFETY: a place for the new list.
+                        self.check(unsafe { new(ts.len(), &mut l) }, "torch_new_list_reserve_size")?;
+                        if l.is_null() {
+                            return Err(Error::Call {
+                                function: "torch_new_list_reserve_size",
+                                message: "returned NULL".into(),
+                            });
+                        }
+                        for t in ts {
+                            // SAFETY: a live list; the handle stays owned by its Tensor until the call.
+                            let code = unsafe { push(l, t.as_raw() as usize as u64) };
+                            if let Err(e) = self.check(code, "torch_list_push_back") {
+                                // SAFETY: the list made above, freed once (its items are borrowed).
+                                unsafe { Unbox::free_list(&self, l) };
+                                return Err(e);
+                            }
+                        }
+                        stack[i] = l as usize as u64;
+                        Ok(Some(Made::List(l)))
+                    }
+                    _ => Ok(None),
+                }
+            };
+            match step() {
+                Ok(Some(m)) => made.push(m),
+                Ok(None) => {}
+                Err(e) => {
+                    free(made);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made.len())
     }
 
     fn new_string(&self, s: &str) -> Result<StringHandle> {

@@ -177,6 +177,12 @@ symbols! {
     torch_list_get_item: fn(StableListHandle, usize, *mut StableIValue) -> AOTITorchError;
     /// Frees a list (the vector, not what its items own) (torch 2.10+).
     torch_delete_list: fn(StableListHandle) -> AOTITorchError;
+    /// A new, empty list with room for `size` items (torch 2.10+).
+    torch_new_list_reserve_size: fn(usize, *mut StableListHandle) -> AOTITorchError;
+    /// Appends an item to a list (torch 2.10+).
+    torch_list_push_back: fn(StableListHandle, StableIValue) -> AOTITorchError;
+    /// A new heap `StableIValue`, an optional argument's box (torch 2.13+).
+    torch_new_stable_ivalue: fn(*mut *mut StableIValue) -> AOTITorchError;
     /// Frees a heap `StableIValue`, an optional argument's box (torch 2.13+; a plain `delete`).
     torch_delete_stable_ivalue: fn(*mut StableIValue) -> AOTITorchError;
     /// C++ `operator delete(void*)`: what frees an optional argument's box before torch 2.13
