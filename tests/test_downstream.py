@@ -97,6 +97,9 @@ def test_the_copied_example_and_the_guide_build_outside_the_workspace(tmp_path):
     (crate / "src/context.rs").write_text(
         "\n".join(re.findall(r'```rust title="src/context.rs"\n(.*?)```', guide, re.S))
     )
+    (crate / "src/params.rs").write_text(
+        "\n".join(re.findall(r'```rust title="src/params.rs"\n(.*?)```', guide, re.S))
+    )
     so = build(crate)
     call(so, ["dlbridge_kernels"], """
         import numpy as np

@@ -72,6 +72,15 @@ of Python numbers. Every other parameter is a tensor. Parameters named in
 the first one as an input aliased to the output (``input_output_aliases``), and the jitted call
 returns its new value (the handler reads and writes the aliased output buffer).
 
+Parameters named in ``optional`` take a tensor or None (torch ``Tensor?``, ``=None`` when the
+function's default is None); those in ``lists`` a list or tuple of tensors (``Tensor[]``). jax's
+``ffi_call`` takes a flat list of operands, so under ``jax.jit`` a list's items go flat, a None
+gives none, and each optional or list parameter adds an int64 attribute ``<name>.count`` (the
+handler declares them: ``xla_handler!(fn h(call, operands: [tensor("x"), optional("bias")], ..))``).
+A backward reads them as the function does (None, a list) and gives a list of gradients for a
+list (one per item); an absent optional's gradient is None. ``torch.func`` transforms of a kernel
+with a list are refused (an ``autograd.Function`` does not see tensors inside a list).
+
 Names: the torch op is ``torch.ops.<namespace>.<name>`` and the XLA FFI target
 ``<namespace>.<name>``, named by ``name=`` and ``namespace=`` or, by default, the function's name
 in the top-level package of its module (``my_kernels.rms_norm`` for ``my_kernels.my_kernels``'s
@@ -193,7 +202,8 @@ _UNSET = object()
 
 # What each argument type is, found once per type: 0 plain, 1 a jax tracer, 2 a torch tensor,
 # 4 a torch tensor subclass (and, per call, 8: a torch tensor that requires grad).
-_ROUTE: dict[type, int] = {}
+# A list or tuple (16) is looked into (a kernel's list-of-tensors argument): its items' routes count.
+_ROUTE: dict[type, int] = {list: 16, tuple: 16}
 # FFI targets already registered with jax (name -> capsule), and the kernels whose torch op or jax
 # target waits for torch's or jax's import.
 _JAX_TARGETS: dict[str, Any] = {}
@@ -298,6 +308,8 @@ class Kernel:
         residuals: Sequence[str] = (),
         result_rule: Callable[..., Sequence[tuple[Sequence[int], str]]] | None = None,
         jvp: Any = None,
+        optional: Sequence[str] = (),
+        lists: Sequence[str] = (),
     ) -> None:
         self._fn = fn
         for what, given in (("name", name), ("namespace", namespace)):
@@ -345,6 +357,7 @@ class Kernel:
         # The str and array attributes: checked (and arrays made tuples) at every call, in every
         # mode; a kernel with scalar attributes only pays nothing for them.
         self._checked_idx = tuple(i for i in self._attr_idx if attrs[self._params[i]] not in _SCALAR_ATTRS)
+        self._declare_counted(attrs, mutates, optional, lists)
         for n in mutates:
             if n not in self._index or n in attrs:
                 raise ValueError(f"kernel {self.__name__}: mutates names {n!r}, not a tensor parameter")
@@ -377,6 +390,12 @@ class Kernel:
             like = out.removeprefix("like ").strip()
             if like not in self._index or like in attrs:
                 raise ValueError(f"kernel {self.__name__}: out={out!r} names no tensor parameter")
+            if like in self._optional or like in self._lists:
+                kind = "an optional tensor (it may be None)" if like in self._optional else "a list of tensors"
+                raise ValueError(
+                    f"kernel {self.__name__}: out={out!r}: {like!r} is {kind}, so it cannot give the "
+                    "result's shape and dtype: name a tensor parameter, or give a rule (a callable)"
+                )
             self._out = _Out(self._index[like], None)
             self._returns = True
         if mutates and self._returns and self._out.like != self._mutated_idx:
@@ -456,6 +475,107 @@ class Kernel:
             # so a kernel without them reads nothing more per call, nor guards on it compiled).
             self.__class__ = _CHECKED_CLASSES[self.__class__]
 
+    def _declare_counted(
+        self, attrs: Mapping[str, str], mutates: Sequence[str], optional: Sequence[str], lists: Sequence[str]
+    ) -> None:
+        """The optional tensor parameters (``Tensor?``: a tensor or None) and the lists of tensors
+        (``Tensor[]``), checked; ``_kinds`` gives each tensor parameter's kind (0 a tensor, 1
+        optional, 2 a list), in the order of ``_tensor_idx``."""
+        name = self.__name__
+        if isinstance(optional, str) or isinstance(lists, str):
+            raise ValueError(f"kernel {name}: optional= and lists= take a sequence of parameter names, not a string")
+        for what, names in (("optional", optional), ("lists", lists)):
+            for n in names:
+                if n not in self._index or n in attrs:
+                    raise ValueError(f"kernel {name}: {what} names {n!r}, not a tensor parameter")
+                if n in mutates:
+                    raise ValueError(f"kernel {name}: {what} names {n!r}, which mutates writes in place (one tensor)")
+        both = set(optional) & set(lists)
+        if both:
+            raise ValueError(f"kernel {name}: {', '.join(map(repr, sorted(both)))} is named in optional and lists: one kind each")
+        self._optional: tuple[str, ...] = tuple(optional)
+        self._lists: tuple[str, ...] = tuple(lists)
+        self._kinds: tuple[int, ...] = tuple(
+            1 if self._params[i] in self._optional else 2 if self._params[i] in self._lists else 0
+            for i in self._tensor_idx
+        )
+        # Whether any tensor parameter is optional or a list: the calls that pass operands flat
+        # (jax's ffi_call) then add a count attribute "<parameter>.count" for each.
+        self._counted = any(self._kinds)
+
+    def _flatten(self, vals: Sequence[Any]) -> tuple[list[Any], tuple[tuple[str, int], ...]]:
+        """The tensor arguments of ``vals`` (one per parameter) as a flat list (a list's items in
+        order, an absent optional left out) and the count attribute of each optional or list
+        parameter; a None for a parameter that is not optional, or a list parameter given
+        another thing, refused in the author's terms."""
+        flat: list[Any] = []
+        counts: list[tuple[str, int]] = []
+        for i, k in zip(self._tensor_idx, self._kinds, strict=True):
+            v, n = vals[i], self._params[i]
+            if k == 0:
+                if v is None:
+                    self._refuse_none(n)
+                flat.append(v)
+            elif k == 1:
+                if v is not None:
+                    flat.append(v)
+                counts.append((f"{n}.count", 0 if v is None else 1))
+            else:
+                if not isinstance(v, (list, tuple)):
+                    raise TypeError(
+                        f"{self.__name__}: argument {n!r} is a list of tensors (lists={list(self._lists)}): "
+                        f"pass a list or tuple of tensors, not {type(v).__name__}"
+                    )
+                flat.extend(v)
+                counts.append((f"{n}.count", len(v)))
+        return flat, tuple(counts)
+
+    def _refuse_none(self, n: str) -> None:
+        raise TypeError(
+            f"{self.__name__}: argument {n!r} is None, but the kernel declares {n!r} a tensor, not an "
+            f"optional one: pass a tensor, or declare it optional (dlbridge.kernels.kernel(..., "
+            f'optional=[{n!r}]), Rust: KernelDef {{ optional: &["{n}"], .. }})'
+        )
+
+    def _unflatten(self, flat: Sequence[Any], counts: Any) -> list[Any]:
+        """``flat`` (as ``_flatten`` makes it) back into one value per tensor parameter, in the
+        order of ``_tensor_idx``: a tensor, a tensor or None (optional), a list (a list). ``counts``:
+        the count attributes (pairs or a mapping; other attributes ignored)."""
+        if not self._counted:
+            return list(flat)
+        known = dict(counts)
+        out: list[Any] = []
+        at = 0
+        for i, k in zip(self._tensor_idx, self._kinds, strict=True):
+            if k == 0:
+                out.append(flat[at])
+                at += 1
+                continue
+            c = int(known[f"{self._params[i]}.count"])
+            if k == 1:
+                out.append(flat[at] if c else None)
+            else:
+                out.append(list(flat[at : at + c]))
+            at += c
+        return out
+
+    def _flat_grads(self, per_param: Sequence[Any], like: Sequence[Any], zeros: Callable[[Any], Any]) -> list[Any]:
+        """Gradients given one per tensor parameter (a list's a sequence, an absent optional's
+        None) as the flat list ``_flatten`` makes of ``like`` (the arguments, one per parameter),
+        each missing one zeros like its argument."""
+        flat: list[Any] = []
+        for k, g, x in zip(self._kinds, per_param, like, strict=True):
+            if k == 2:
+                gs = list(g) if g is not None else [None] * len(x)
+                if len(gs) != len(x):
+                    raise ValueError(f"{self.__name__}: the backward gave {len(gs)} gradients for a list of {len(x)} tensors")
+                flat.extend(zeros(t) if d is None else d for d, t in zip(gs, x, strict=True))
+            elif x is None:
+                continue
+            else:
+                flat.append(zeros(x) if g is None else g)
+        return flat
+
     def _declare_jvp(self, jvp: Any) -> Any:
         """The forward-mode rule, checked: ``(kernel, args)`` (``args`` names among the tensor
         parameters, ``"out"`` and ``"tangent_<parameter>"``) or a callable ``jvp(named) -> tangent``."""
@@ -495,6 +615,11 @@ class Kernel:
             raise ValueError(f"kernel {name}: out={out!r} and results=: declare the results in one of them")
         if self._mutates:
             raise ValueError(f"kernel {name}: results= with mutates=: a kernel with several results writes no argument")
+        if self._counted:
+            raise ValueError(
+                f"kernel {name}: results= with optional= or lists=: the result rules read one shape per "
+                "tensor parameter; give such a kernel one result (out=)"
+            )
         if not callable(rule):
             raise ValueError(f"kernel {name}: results= needs result_rule=, each result's shape and dtype")
         names: tuple[str, ...] = tuple(results)
@@ -565,6 +690,10 @@ class Kernel:
                 note = self._attrs[n]
             elif n in self._mutates:
                 note = "Tensor (written in place)"
+            elif n in self._optional:
+                note = "Tensor | None"
+            elif n in self._lists:
+                note = "list[Tensor]"
             else:
                 note = "Tensor"
             kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
@@ -702,7 +831,17 @@ class Kernel:
                     r = 10
                 route |= r
         if route == 0:
-            return self._fn(*args, **kwargs)
+            try:
+                return self._fn(*args, **kwargs)
+            except TypeError:
+                # None for a tensor that is not optional: said in the author's terms (asked only
+                # once the call failed).
+                self._refuse_nones_in(args, kwargs)
+                raise
+        if route & 16:
+            route = self._route_with_items(args, kwargs)
+            if route == 0:
+                return self._fn(*args, **kwargs)
         if route & 1:
             return self._jax_call(self._bind(args, kwargs))
         if route & 4:
@@ -720,6 +859,9 @@ class Kernel:
             return self._torch_call(self._bind(args, kwargs))
         try:
             return self._fn(*args, **kwargs)
+        except TypeError:
+            self._refuse_nones_in(args, kwargs)
+            raise
         except BufferError:
             # A torch.func transform's wrapped tensor (vmap's batched tensor) has no memory of
             # its own, so the function refused it at conversion, before its body ran: the op's
@@ -750,6 +892,37 @@ class Kernel:
             n = self._params[i]
             vals[i] = _attr_value(self.__name__, n, self._attrs[n], vals[i])
         return vals
+
+    @staticmethod
+    def _route_with_items(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+        """The call's route (as ``__call__`` finds it) with the items of list and tuple arguments
+        counted (a list of jax tracers goes to jax, of torch tensors that require grad to autograd)."""
+        route = 0
+        for a in [*args, *kwargs.values()]:
+            items = a if type(a) is list or type(a) is tuple else (a,)
+            for t in items:
+                r = _ROUTE.get(type(t))
+                if r is None:
+                    r = _route_of(type(t))
+                if r == 2 and t.requires_grad:
+                    r = 10
+                route |= r & ~16
+        return route
+
+    def _refuse_nones_in(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """``_refuse_nones`` over a call's arguments, if one is None."""
+        if any(a is None for a in args) or any(a is None for a in kwargs.values()):
+            try:
+                vals = self._bind(tuple(args), dict(kwargs))
+            except TypeError:
+                return
+            self._refuse_nones(vals)
+
+    def _refuse_nones(self, vals: Sequence[Any]) -> None:
+        """None for a tensor parameter that is not optional: said in the author's terms."""
+        for i, k in zip(self._tensor_idx, self._kinds, strict=True):
+            if k == 0 and i < len(vals) and vals[i] is None:
+                self._refuse_none(self._params[i])
 
     def _refuse_numbers_for_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """A Python number passed for a tensor parameter: the op's schema takes a tensor there,
@@ -873,6 +1046,14 @@ class Kernel:
                     self._refuse_grad_in_place(vals, {})
                 op(*vals)
                 return vals[self._mutated_idx]
+            if (forward_ad or _functorch_level() is not None) and self._lists:
+                # An autograd.Function sees no tensor inside a list: the gradients of the items
+                # would be lost. Refused, not silently wrong.
+                raise NotImplementedError(
+                    f"{self.__name__}: torch.func transforms (grad, jacrev, jvp, vmap) and forward-mode AD "
+                    f"of a kernel with a list of tensors ({', '.join(self._lists)}) are not supported: use "
+                    "torch.autograd (loss.backward(), torch.autograd.grad) or torch.compile"
+                )
             if forward_ad or _functorch_level() is not None:
                 # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
                 # without setup_context, which torch.func refuses; this one has it (and the op's
@@ -883,9 +1064,10 @@ class Kernel:
                 return self._func.apply(*vals)
             return op(*vals)
         except (RuntimeError, TypeError, AttributeError):
-            # A Python number for a tensor parameter: said in the author's terms, not the
-            # schema's (asked only once the call failed).
+            # A Python number (or None) for a tensor parameter: said in the author's terms, not
+            # the schema's (asked only once the call failed).
             self._refuse_numbers_for_tensors(vals, {})
+            self._refuse_nones(vals)
             raise
 
     def _refuse_grad_in_place(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -924,6 +1106,10 @@ class Kernel:
                 parts.append(f"{t} {n}" if text is None else f"{t} {n}={text}")
             elif n in self._mutates:
                 parts.append(f"Tensor({next(letters)}!) {n}")
+            elif n in self._optional:
+                parts.append(f"Tensor? {n}=None" if self._defaults[i] is None else f"Tensor? {n}")
+            elif n in self._lists:
+                parts.append(f"Tensor[] {n}")
             else:
                 parts.append(f"Tensor {n}")
         functional = self._mutated_idx is None
@@ -1039,7 +1225,9 @@ class Kernel:
         if register is None:
             return None
         defaults = {
-            n: d for n, d in zip(self._params, self._defaults, strict=True) if n in self._attrs and d is not _EMPTY
+            n: d
+            for n, d in zip(self._params, self._defaults, strict=True)
+            if (n in self._attrs and d is not _EMPTY) or (n in self._optional and d is None)
         }
         self._native_fallback = register(ns, opname, self._params, defaults)
         return getattr(namespace, opname) if self._native_fallback is None else None
@@ -1064,12 +1252,16 @@ class Kernel:
                     f"write the same tensor; batch {params[mutated]!r} too"
                 )
             outs = []
+            def pick(v: Any, d: Any, b: int) -> Any:
+                if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
+                    # a list of tensors: each item's own dim (an array attribute is a tuple of numbers)
+                    ds = d if isinstance(d, (list, tuple)) else [d] * len(v)
+                    return [t.contiguous() if e is None else t.select(e, b).contiguous() for t, e in zip(v, ds, strict=True)]
+                return v if d is None or not isinstance(v, torch.Tensor) else v.select(d, b)
+
             for b in range(info.batch_size):
-                # (An attribute is never batched: a list's in_dims is a list of Nones.)
-                sl = [
-                    v if d is None or not isinstance(v, torch.Tensor) else v.select(d, b)
-                    for v, d in zip(vals, in_dims, strict=True)
-                ]
+                # (An attribute is never batched: its in_dims entry is None.)
+                sl = [pick(v, d, b) for v, d in zip(vals, in_dims, strict=True)]
                 if mutated is None:
                     outs.append(op(*[t.contiguous() if isinstance(t, torch.Tensor) else t for t in sl]))
                     continue
@@ -1117,10 +1309,13 @@ class Kernel:
 
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 saved = ctx.saved_tensors
-                named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, saved[:-1], strict=True)}
+                named = {params[i]: t if t is None else t.contiguous() for i, t in zip(tensor_idx, saved[:-1], strict=True)}
                 named["out"] = saved[-1].contiguous()
                 for i, t in zip(tensor_idx, saved[:-1], strict=True):
                     d = tangents[i]
+                    if t is None:  # an absent optional tensor: no tangent either
+                        named[params[i]] = named[f"tangent_{params[i]}"] = None
+                        continue
                     named[f"tangent_{params[i]}"] = torch.zeros_like(t) if d is None else d.contiguous()
                 named.update(ctx.dlbridge_jvp_attrs)
                 return self._run_jvp(named)
@@ -1147,6 +1342,9 @@ class Kernel:
         if self._results:
             return self._autograd_rules_several(torch)
 
+        if self._counted:
+            return self._autograd_rules_counted(torch)
+
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], output)
             ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
@@ -1163,6 +1361,55 @@ class Kernel:
                 # create_graph=True: each gradient must carry its graph for a double backward.
                 result = self._first_order_only(torch, result, (grad, *saved))
             return result
+
+        return setup_context, backward
+
+    def _autograd_rules_counted(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``setup_context`` and ``backward`` of a kernel with optional or list parameters: the
+        tensors are saved flat (with their counts), the backward reads each parameter as the
+        kernel does (None, or a list) and gives a gradient per list item and None for an absent
+        optional."""
+        params, tensor_idx, attr_idx, kinds = self._params, self._tensor_idx, self._attr_idx, self._kinds
+
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            flat, counts = self._flatten(inputs)
+            ctx.save_for_backward(*flat, output)
+            ctx.dlbridge_counts = counts
+            ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
+
+        def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+            saved = ctx.saved_tensors
+            per = self._unflatten([t.contiguous() for t in saved[:-1]], ctx.dlbridge_counts)
+            named = {params[i]: v for i, v in zip(tensor_idx, per, strict=True)}
+            named["out"] = saved[-1].contiguous()
+            named["grad"] = grad.contiguous()
+            named.update(ctx.dlbridge_attrs)
+            grads = self._run_backward(named)
+            result: list[Any] = [None] * len(params)
+            for i, k, v in zip(tensor_idx, kinds, per, strict=True):
+                g = grads.get(params[i])
+                if k == 2:
+                    gs = [None] * len(v) if g is None else list(g)
+                    if len(gs) != len(v):
+                        raise ValueError(
+                            f"{self.__name__}: the backward gave {len(gs)} gradients for {params[i]!r}, a list of {len(v)} tensors"
+                        )
+                    result[i] = gs
+                else:
+                    result[i] = None if v is None else g
+            if torch.is_grad_enabled():
+                # create_graph=True: a gradient without a graph is refused at the second backward.
+                flat_in = [grad, *saved]
+                out: list[Any] = []
+                for i, r in enumerate(result):
+                    if isinstance(r, list):
+                        out.append(list(self._first_order_only(torch, tuple(r), tuple(flat_in))))
+                    else:
+                        out.append(r)
+                single = [r if not isinstance(r, list) else None for r in out]
+                single = list(self._first_order_only(torch, tuple(single), tuple(flat_in)))
+                result = [o if isinstance(o, list) else single[j] for j, o in enumerate(out)]
+            return tuple(result)
 
         return setup_context, backward
 
@@ -1261,8 +1508,16 @@ class Kernel:
             t = self._attrs[n]
             # A str or an array (a tuple, checked at the call) as it is; a scalar as its type.
             named.append((n, vals[i] if t not in _SCALAR_ATTRS else np.dtype(t).type(vals[i])))
+        if self._counted:
+            # Flat operands (a list's items, no absent optional) and a count attribute for each
+            # optional or list parameter, which the handler declares (Operand::Optional, List).
+            tensors, counts = self._flatten(vals)
+            named += [(n, np.int64(c)) for n, c in counts]
+        else:
+            tensors = [vals[i] for i in self._tensor_idx]
+            if any(t is None for t in tensors):
+                self._refuse_nones(vals)
         attrs = tuple(named)
-        tensors = [vals[i] for i in self._tensor_idx]
         for t in tensors:
             if isinstance(t, (bool, int, float, complex)):
                 self._refuse_numbers_for_tensors(vals, {})
@@ -1287,7 +1542,7 @@ class Kernel:
 
         out = {}
         for n, v in attrs:
-            t = self._attrs[n]
+            t = self._attrs.get(n, "")  # (a count attribute, `<name>.count`, is no parameter's)
             # (XLA has no bool array attribute: bytes 0 and 1, which the handler reads as &[bool].)
             out[n] = np.asarray(v, dtype="uint8" if t == "bool[]" else t[:-2]) if t.endswith("[]") else v
         return out
@@ -1301,15 +1556,19 @@ class Kernel:
             types = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in made]
             call = jax.ffi.ffi_call(self._target, types, vmap_method=self._vmap_method)
             return tuple(call(*tensors, **self._ffi_attrs(attrs)))
+        per = self._unflatten(tensors, attrs)
         if out.rule is not None:
-            shape, dtype = out.rule(*tensors)
+            shape, dtype = out.rule(*per)
             result = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(str(dtype)))
         else:
-            like = tensors[self._tensor_idx.index(out.like)]
+            like = per[self._tensor_idx.index(out.like)]
             result = jax.ShapeDtypeStruct(like.shape, like.dtype)
         aliases = None
         if self._mutated_idx is not None:
-            aliases = {self._tensor_idx.index(self._mutated_idx): 0}
+            at = self._tensor_idx.index(self._mutated_idx)
+            # Its flat operand: after the items of the parameters before it.
+            flat_at = sum(1 if k == 0 else len(v) if k == 2 else int(v is not None) for k, v in zip(self._kinds[:at], per[:at]))
+            aliases = {flat_at: 0}
         call = jax.ffi.ffi_call(
             self._target, result, vmap_method=self._vmap_method, input_output_aliases=aliases
         )
@@ -1323,7 +1582,6 @@ class Kernel:
         each missing one is refused in these terms when it is needed, never a silent zero."""
         names = [self._params[i] for i in self._tensor_idx]
         several = bool(self._results)
-        n = len(names)
         jnp = jax.numpy
 
         @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -1335,14 +1593,16 @@ class Kernel:
             # jacfwd around jacrev) differentiate it again.
             out = f(attrs, *primals)
             outs = tuple(out) if several else (out,)
+            # The flat operands' count (a list's items, no absent optional: _flatten).
+            n = len(primals)
 
             def tangent(res: tuple[Any, ...], lin: tuple[Any, ...]) -> tuple[Any, ...]:
                 if self._jvp is None:
                     raise TypeError(self._no_jvp_message())
-                named = dict(zip(names, res[:n], strict=True))
+                named = dict(zip(names, self._unflatten(res[:n], attrs), strict=True))
                 named.update(attrs)
                 named["out"] = res[n]
-                for p, t in zip(names, lin, strict=True):
+                for p, t in zip(names, self._unflatten(lin, attrs), strict=True):
                     named[f"tangent_{p}"] = t
                 return (jnp.asarray(self._run_jvp(named)),)
 
@@ -1350,7 +1610,8 @@ class Kernel:
                 if self._backward is None:
                     raise TypeError(self._no_jax_backward_message())
                 tensors, outs = res[:n], res[n:]
-                named = dict(zip(names, tensors, strict=True))
+                per = self._unflatten(tensors, attrs)
+                named = dict(zip(names, per, strict=True))
                 named.update(attrs)
                 if several:
                     self._named_results(named, outs, cts)
@@ -1358,6 +1619,10 @@ class Kernel:
                     named["out"] = outs[0]
                     named["grad"] = cts[0]
                 grads = self._run_backward(named)
+                if self._counted:
+                    given = [grads.get(p) for p in names]
+                    flat = self._flat_grads(given, per, jnp.zeros_like)
+                    return tuple(jnp.asarray(g) for g in flat)
                 return tuple(
                     jnp.asarray(grads[p]) if p in grads else jnp.zeros_like(t)
                     for p, t in zip(names, tensors, strict=True)
@@ -1766,11 +2031,14 @@ def kernel(
     residuals: Sequence[str] = (),
     result_rule: Callable[..., Sequence[tuple[Sequence[int], str]]] | None = None,
     jvp: Any = None,
+    optional: Sequence[str] = (),
+    lists: Sequence[str] = (),
 ) -> Any:
     """Wraps ``fn`` into a :class:`Kernel` (usable as a decorator with keywords only). ``name``
     and ``namespace`` name its ops, ``torch.ops.<namespace>.<name>`` and the XLA FFI target
     ``<namespace>.<name>``; by default the function's name and the top-level package of its
-    module."""
+    module. ``optional`` names the tensor parameters that may be None (``Tensor?``), ``lists``
+    those that take a list or tuple of tensors (``Tensor[]``)."""
 
     def wrap(f: Callable[..., Any]) -> Kernel:
         return Kernel(
@@ -1787,6 +2055,8 @@ def kernel(
             residuals=residuals,
             result_rule=result_rule,
             jvp=jvp,
+            optional=optional,
+            lists=lists,
         )
 
     return wrap if fn is None else wrap(fn)

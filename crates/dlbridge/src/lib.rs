@@ -81,5 +81,5 @@ pub use export::{ALIGNMENT, AlignedBuffer, HostBuffer};
 pub use flags::{Flags, Version};
 pub use managed::{MAX_NDIM, ManagedTensor, RawManagedTensor};
 #[cfg(feature = "python")]
-pub use python::{Framework, Output, TensorMut, TensorRef, TensorView, argument_error};
+pub use python::{Framework, Output, TensorList, TensorMut, TensorRef, TensorView, argument_error};
 pub use view::{SliceMut, SliceRef};

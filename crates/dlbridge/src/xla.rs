@@ -122,12 +122,72 @@ pub fn data_type(t: XLA_FFI_DataType) -> Option<DataType> {
 /// (or fewer) operands or results, or with an attribute the handler does not read (or without one
 /// it reads), is refused with an error naming what differs, so no result is ever left unwritten
 /// because the caller of `jax.ffi.ffi_call` passed more than the body takes.
+///
+/// A handler with optional operands or lists of operands declares each tensor parameter
+/// ([`Signature::with_operands`], [`Operand`]): the call then passes, for each optional or list
+/// parameter `p`, an int64 scalar attribute `p.count` (0 or 1 for an optional, the length of a
+/// list) that says how many of the flat operands are `p`'s; the counts are checked against the
+/// operands before the body runs, and the body reads operands by parameter
+/// ([`Call::input`], [`Call::optional_input`], [`Call::input_list`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Signature {
     operands: usize,
     results: usize,
     attrs: &'static [&'static str],
     state: Option<StateDecl>,
+    /// The tensor parameters, when one is optional or a list (empty: `operands` plain tensors).
+    params: &'static [Operand],
+}
+
+/// A tensor parameter of a handler ([`Signature::with_operands`]): one operand, an optional one
+/// (`Tensor?`: passed or not), or a list of operands (`Tensor[]`), each named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operand {
+    /// One operand.
+    Tensor(&'static str),
+    /// Zero or one operand (its `<name>.count` attribute says which).
+    Optional(&'static str),
+    /// Any number of operands (its `<name>.count` attribute says how many).
+    List(&'static str),
+}
+
+impl Operand {
+    /// One operand named `name`.
+    pub const fn tensor(name: &'static str) -> Self {
+        Self::Tensor(name)
+    }
+
+    /// An optional operand named `name`.
+    pub const fn optional(name: &'static str) -> Self {
+        Self::Optional(name)
+    }
+
+    /// A list of operands named `name`.
+    pub const fn list(name: &'static str) -> Self {
+        Self::List(name)
+    }
+
+    /// The parameter's name.
+    pub const fn name(&self) -> &'static str {
+        match *self {
+            Self::Tensor(n) | Self::Optional(n) | Self::List(n) => n,
+        }
+    }
+
+    /// Whether the call says how many operands the parameter has (an optional or a list).
+    pub const fn is_counted(&self) -> bool {
+        !matches!(self, Self::Tensor(_))
+    }
+}
+
+/// The suffix of a counted parameter's count attribute (`bias.count`).
+pub const COUNT_SUFFIX: &str = ".count";
+
+/// Whether `attr` is `param` followed by [`COUNT_SUFFIX`] (no allocation).
+#[inline]
+fn is_count_of(attr: &[u8], param: &str) -> bool {
+    let (p, s) = (param.as_bytes(), COUNT_SUFFIX.as_bytes());
+    attr.len() == p.len() + s.len() && attr.starts_with(p) && attr.ends_with(s)
 }
 
 impl Signature {
@@ -148,7 +208,7 @@ impl Signature {
             }
             i += 1;
         }
-        Self { operands, results, attrs, state: None }
+        Self { operands, results, attrs, state: None, params: &[] }
     }
 
     /// This signature with a state, made once when XLA instantiates the handler
@@ -163,7 +223,52 @@ impl Signature {
         self.state
     }
 
-    /// The number of operands.
+    /// A handler whose tensor parameters are `params`, in order (optional ones and lists among
+    /// them), with `results` results and the attributes named `attrs` (the count attributes of
+    /// the optional and list parameters come on top, implicitly). Names are distinct, and no
+    /// attribute is named like a count (`<parameter>.count`): both fail to compile in a `const`.
+    ///
+    /// ```compile_fail,E0080
+    /// use dlbridge::xla::{Operand, Signature};
+    /// const S: Signature = Signature::with_operands(&[Operand::tensor("x"), Operand::list("x")], 1, &[]);
+    /// ```
+    pub const fn with_operands(
+        params: &'static [Operand],
+        results: usize,
+        attrs: &'static [&'static str],
+    ) -> Self {
+        let s = Self::new(params.len(), results, attrs);
+        let mut i = 0;
+        while i < params.len() {
+            let mut j = i + 1;
+            while j < params.len() {
+                assert!(
+                    !bytes_eq(params[i].name().as_bytes(), params[j].name().as_bytes()),
+                    "a parameter named twice"
+                );
+                j += 1;
+            }
+            let mut k = 0;
+            while k < attrs.len() {
+                let (a, p, x) = (attrs[k].as_bytes(), params[i].name().as_bytes(), COUNT_SUFFIX.as_bytes());
+                assert!(
+                    !(a.len() == p.len() + x.len() && starts_with(a, p, 0) && starts_with(a, x, p.len())),
+                    "an attribute named like a count attribute"
+                );
+                k += 1;
+            }
+            i += 1;
+        }
+        Self { params, ..s }
+    }
+
+    /// The tensor parameters, when declared with [`with_operands`](Self::with_operands) (else
+    /// empty: [`operands`](Self::operands) plain tensors).
+    pub const fn params(&self) -> &'static [Operand] {
+        self.params
+    }
+
+    /// The number of operands (of tensor parameters, for [`with_operands`](Self::with_operands)).
     pub const fn operands(&self) -> usize {
         self.operands
     }
@@ -177,6 +282,21 @@ impl Signature {
     pub const fn attrs(&self) -> &'static [&'static str] {
         self.attrs
     }
+}
+
+/// Whether `a[at..]` starts with `b`.
+const fn starts_with(a: &[u8], b: &[u8], at: usize) -> bool {
+    if a.len() < at + b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < b.len() {
+        if a[at + i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 const fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
@@ -648,6 +768,9 @@ pub struct Call<'a> {
     attr_names: &'a [*mut XLA_FFI_ByteSpan],
     attr_values: &'a [*mut c_void],
     device: Device,
+    /// The declared tensor parameters (empty: operand `i` is parameter `i`), once the counts
+    /// were checked against the operands.
+    params: &'static [Operand],
 }
 
 impl fmt::Debug for Call<'_> {
@@ -712,6 +835,7 @@ impl<'a> Call<'a> {
             attr_names,
             attr_values: attrs.items,
             device: Device::CPU,
+            params: &[],
         };
         call.check_signature(signature)?;
         if platform == Platform::Cuda {
@@ -723,7 +847,10 @@ impl<'a> Call<'a> {
     /// The call against what the handler reads: as many operands and results, and the same
     /// attributes.
     #[inline]
-    fn check_signature(&self, s: &Signature) -> Result<()> {
+    fn check_signature(&mut self, s: &Signature) -> Result<()> {
+        if !s.params.is_empty() {
+            return self.check_params(s);
+        }
         if self.args.items.len() != s.operands {
             return Err(self.count_error("operands", s.operands, self.args.items.len()));
         }
@@ -731,7 +858,7 @@ impl<'a> Call<'a> {
             return Err(self.count_error("results", s.results, self.rets.items.len()));
         }
         if self.attr_names.len() != s.attrs.len() {
-            return Err(self.attrs_error(s));
+            return Err(self.attrs_error(s.attrs));
         }
         // As many as declared, and every declared name (distinct: Signature::new) among them: the
         // same set.
@@ -741,9 +868,108 @@ impl<'a> Call<'a> {
                     continue 'declared;
                 }
             }
-            return Err(self.attrs_error(s));
+            return Err(self.attrs_error(s.attrs));
         }
         Ok(())
+    }
+
+    /// [`check_signature`](Self::check_signature) for declared parameters: the declared
+    /// attributes and one count per optional or list parameter (an int64 scalar: 0 or 1 for an
+    /// optional, at least 0 for a list), the operands as many as the counts say; records where
+    /// each parameter's operands are.
+    #[inline(never)]
+    fn check_params(&mut self, s: &Signature) -> Result<()> {
+        let counted = s.params.iter().filter(|p| p.is_counted()).count();
+        if self.rets.items.len() != s.results {
+            return Err(self.count_error("results", s.results, self.rets.items.len()));
+        }
+        if self.attr_names.len() != s.attrs.len() + counted {
+            return Err(self.params_attrs_error(s));
+        }
+        'declared: for a in s.attrs {
+            for i in 0..self.attr_names.len() {
+                if self.attr_name(i)? == a.as_bytes() {
+                    continue 'declared;
+                }
+            }
+            return Err(self.params_attrs_error(s));
+        }
+        let mut next = 0usize;
+        for p in s.params {
+            let n = match *p {
+                Operand::Tensor(_) => 1,
+                Operand::Optional(name) | Operand::List(name) => {
+                    let Some(n) = self.count_of(name)? else {
+                        return Err(self.params_attrs_error(s));
+                    };
+                    let most =
+                        if matches!(p, Operand::Optional(_)) { 1 } else { self.args.items.len() as i64 };
+                    if !(0..=most).contains(&n) {
+                        return Err(FfiError::invalid_argument(format!(
+                            "attribute {name}{COUNT_SUFFIX}: {n} operands (0..={most} allowed)"
+                        )));
+                    }
+                    n as usize
+                }
+            };
+            next += n;
+        }
+        if next != self.args.items.len() {
+            return Err(FfiError::invalid_argument(format!(
+                "wrong number of operands: the counts say {next}, the call has {} (the handler reads {})",
+                self.args.items.len(),
+                s.params.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
+            )));
+        }
+        self.params = s.params;
+        Ok(())
+    }
+
+    /// The value of parameter `name`'s count attribute (`None`: the call has none), read as an
+    /// int64 scalar.
+    fn count_of(&self, name: &str) -> Result<Option<i64>> {
+        let Some(i) =
+            (0..self.attr_names.len()).find(|&i| self.attr_name(i).is_ok_and(|a| is_count_of(a, name)))
+        else {
+            return Ok(None);
+        };
+        let attr = RawAttr {
+            kind: XLA_FFI_AttrType(self.attr_kinds[i]),
+            value: self.attr_values[i],
+            _frame: PhantomData,
+        };
+        i64::from_attr(attr).map(Some).map_err(|e| e.about(&format!("attribute {name}{COUNT_SUFFIX}")))
+    }
+
+    /// Declared parameter `index`'s first operand and operand count (the counts were checked
+    /// against the operands before the body ran).
+    fn span_of(&self, index: usize) -> Result<(usize, usize)> {
+        let mut first = 0usize;
+        for (k, p) in self.params.iter().enumerate() {
+            let n = match *p {
+                Operand::Tensor(_) => 1,
+                Operand::Optional(name) | Operand::List(name) => self.count_of(name)?.unwrap_or(0) as usize,
+            };
+            if k == index {
+                return Ok((first, n));
+            }
+            first += n;
+        }
+        Err(FfiError::invalid_argument(format!("no parameter {index}")))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn params_attrs_error(&self, s: &Signature) -> FfiError {
+        let counts: Vec<String> = s
+            .params
+            .iter()
+            .filter(|p| p.is_counted())
+            .map(|p| format!("{}{COUNT_SUFFIX}", p.name()))
+            .collect();
+        let mut all: Vec<&str> = s.attrs.to_vec();
+        all.extend(counts.iter().map(String::as_str));
+        self.attrs_error(&all)
     }
 
     #[cold]
@@ -756,7 +982,7 @@ impl<'a> Call<'a> {
 
     #[cold]
     #[inline(never)]
-    fn attrs_error(&self, s: &Signature) -> FfiError {
+    fn attrs_error(&self, declared: &[&str]) -> FfiError {
         let got: Vec<String> = (0..self.attr_names.len())
             .map(|i| {
                 self.attr_name(i)
@@ -765,11 +991,11 @@ impl<'a> Call<'a> {
             .collect();
         let list = |v: &[&str]| if v.is_empty() { "none".to_owned() } else { v.join(", ") };
         let got_refs: Vec<&str> = got.iter().map(String::as_str).collect();
-        let unexpected: Vec<&str> = got_refs.iter().copied().filter(|g| !s.attrs.contains(g)).collect();
-        let missing: Vec<&str> = s.attrs.iter().copied().filter(|a| !got_refs.contains(a)).collect();
+        let unexpected: Vec<&str> = got_refs.iter().copied().filter(|g| !declared.contains(g)).collect();
+        let missing: Vec<&str> = declared.iter().copied().filter(|a| !got_refs.contains(a)).collect();
         let mut m = format!(
             "wrong attributes: the handler reads {}, the call has {}",
-            list(s.attrs),
+            list(declared),
             list(&got_refs)
         );
         if !unexpected.is_empty() {
@@ -800,7 +1026,84 @@ impl<'a> Call<'a> {
     /// then [`AnyBuffer::typed`].
     #[inline]
     pub fn input_any(&self, index: usize, name: &'static str) -> Result<AnyBuffer<'a>> {
-        self.buffer(self.args, index, name, false)
+        let flat =
+            if self.params.is_empty() { index } else { self.operands_of(index, name, Kind::Tensor)?.0 };
+        self.buffer(self.args, flat, name, false)
+    }
+
+    /// Where parameter `index`'s operands are (first, count), if it is declared of kind `want`
+    /// (a handler declared with [`Signature::with_operands`]; else every operand is a tensor
+    /// parameter).
+    #[inline]
+    fn operands_of(&self, index: usize, name: &'static str, want: Kind) -> Result<(usize, usize)> {
+        let declared = if self.params.is_empty() {
+            (index < self.args.items.len()).then_some((Operand::Tensor(name), (index, 1)))
+        } else {
+            match self.params.get(index) {
+                Some(&p) => Some((p, self.span_of(index)?)),
+                None => None,
+            }
+        };
+        match declared {
+            Some((p, span)) if Kind::of(p) == want => Ok(span),
+            Some((p, _)) => Err(FfiError::invalid_argument(format!(
+                "{name}: parameter {index} ({}) is declared {}, read as {}: read it with {}",
+                p.name(),
+                Kind::of(p).word(),
+                want.word(),
+                Kind::of(p).reader()
+            ))),
+            None => Err(FfiError::invalid_argument(format!(
+                "{name}: no parameter {index} (the handler declares {})",
+                if self.params.is_empty() { self.args.items.len() } else { self.params.len() }
+            ))),
+        }
+    }
+
+    /// Optional operand parameter `index` ([`Operand::Optional`]; named `name` in errors), of
+    /// any type: `None` when the caller passed none.
+    pub fn optional_input_any(&self, index: usize, name: &'static str) -> Result<Option<AnyBuffer<'a>>> {
+        let (first, n) = self.operands_of(index, name, Kind::Optional)?;
+        if n == 0 { Ok(None) } else { self.buffer(self.args, first, name, false).map(Some) }
+    }
+
+    /// Optional operand parameter `index`, checked against `T` and `S` as [`Call::input`]:
+    /// `None` when the caller passed none (a kernel's `Tensor?` parameter given `None`).
+    pub fn optional_input<T: Element, S: ShapeSpec>(
+        &self,
+        index: usize,
+        name: &'static str,
+    ) -> Result<Option<BufferRef<'a, T, S>>> {
+        match self.optional_input_any(index, name)? {
+            Some(b) => b.typed().map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// List parameter `index` ([`Operand::List`]; named `name` in errors), its operands of any
+    /// type, in order.
+    pub fn input_list_any(&self, index: usize, name: &'static str) -> Result<Vec<AnyBuffer<'a>>> {
+        let (first, n) = self.operands_of(index, name, Kind::List)?;
+        (0..n)
+            .map(|i| self.buffer(self.args, first + i, name, false).map_err(|e| item_error(e, name, i)))
+            .collect()
+    }
+
+    /// List parameter `index`, each operand checked against `T` and `S` as [`Call::input`]
+    /// (an error names the item: `xs[2]: expected float32 ...`).
+    pub fn input_list<T: Element, S: ShapeSpec>(
+        &self,
+        index: usize,
+        name: &'static str,
+    ) -> Result<Vec<BufferRef<'a, T, S>>> {
+        let (first, n) = self.operands_of(index, name, Kind::List)?;
+        (0..n)
+            .map(|i| {
+                self.buffer(self.args, first + i, name, false)
+                    .and_then(AnyBuffer::typed)
+                    .map_err(|e| item_error(e, name, i))
+            })
+            .collect()
     }
 
     /// Result `index` (named `name` in errors), of any type.
@@ -1013,6 +1316,51 @@ impl<'a> Call<'a> {
     /// loop runs on the calling thread alone.
     pub fn thread_pool(&self) -> ThreadPool<'_> {
         ThreadPool::new(self.api, self.ctx)
+    }
+}
+
+/// A tensor parameter's kind, as declared ([`Operand`]) and as read.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Tensor,
+    Optional,
+    List,
+}
+
+impl Kind {
+    fn of(p: Operand) -> Self {
+        match p {
+            Operand::Tensor(_) => Self::Tensor,
+            Operand::Optional(_) => Self::Optional,
+            Operand::List(_) => Self::List,
+        }
+    }
+
+    fn word(self) -> &'static str {
+        match self {
+            Self::Tensor => "a tensor",
+            Self::Optional => "an optional tensor",
+            Self::List => "a list of tensors",
+        }
+    }
+
+    fn reader(self) -> &'static str {
+        match self {
+            Self::Tensor => "Call::input",
+            Self::Optional => "Call::optional_input",
+            Self::List => "Call::input_list",
+        }
+    }
+}
+
+/// `e`, about list item `i` of `name`: its message's `name: ` prefix becomes `name[i]: `.
+#[cold]
+#[inline(never)]
+fn item_error(e: FfiError, name: &str, i: usize) -> FfiError {
+    let rest = e.message().strip_prefix(name).and_then(|r| r.strip_prefix(": ")).map(str::to_owned);
+    match rest {
+        Some(rest) => FfiError::new(e.code(), format!("{name}[{i}]: {rest}")),
+        None => e.about(&format!("{name}[{i}]")),
     }
 }
 
@@ -1569,6 +1917,38 @@ const _: Order = Order::C;
 /// }
 /// ```
 ///
+/// Optional tensors and lists of tensors: declare each tensor parameter, `operands:
+/// [tensor("x"), optional("bias"), list("xs")]` ([`Operand`], [`Signature::with_operands`]); the
+/// call then passes an int64 attribute `<parameter>.count` per optional or list parameter
+/// (`dlbridge.kernels` and the native torch op add them), checked with the operands before the
+/// body runs, and the body reads each parameter by its index among the declared ones:
+///
+/// ```
+/// use dlbridge::spec::Rank;
+///
+/// dlbridge::xla_handler! {
+///     /// `out = x @ weight.T (+ bias)`.
+///     pub fn linear_xla(call, operands: [tensor("x"), tensor("weight"), optional("bias")], results: 1) {
+///         let x = call.input::<f32, Rank<2>>(0, "x")?;
+///         let w = call.input::<f32, Rank<2>>(1, "weight")?;
+///         let bias = call.optional_input::<f32, Rank<1>>(2, "bias")?;
+///         let mut out = call.output::<f32, Rank<2>>(0, "out")?;
+///         let (m, k, n) = (x.shape()[0] as usize, x.shape()[1] as usize, w.shape()[0] as usize);
+///         let (x, w) = (x.as_slice()?, w.as_slice()?);
+///         let b = bias.as_ref().map(|b| b.as_slice()).transpose()?;
+///         let mut o = out.as_slice_mut()?;
+///         for i in 0..m {
+///             for j in 0..n {
+///                 let dot: f32 = (0..k).map(|l| x[i * k + l] * w[j * k + l]).sum();
+///                 o[i * n + j] = dot + b.as_ref().map_or(0.0, |b| b[j]);
+///             }
+///         }
+///         Ok(())
+///     }
+/// }
+/// # let _: dlbridge::xla_ffi::XLA_FFI_Handler = linear_xla;
+/// ```
+///
 /// The body is safe code: an unsafe operation in it needs its own `unsafe` block.
 ///
 /// ```compile_fail,E0133
@@ -1583,20 +1963,37 @@ const _: Order = Order::C;
 /// ```
 #[macro_export]
 macro_rules! xla_handler {
+    // Tensor parameters declared one by one (optional ones and lists among them).
+    ($(#[$m:meta])* $vis:vis fn $name:ident(
+        $call:ident, operands: [$($kind:ident($p:literal)),* $(,)?], results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
+        $(, state: $sty:ty = $sinit:expr)? $(,)?
+    ) $body:block) => {
+        $crate::xla_handler!(@emit handle, $crate::xla::Signature::with_operands(
+            &[$($crate::xla::Operand::$kind($p)),*], $r, &[$($($a),*)?]
+        ), [$($sty, $sinit)?], $(#[$m])* $vis fn $name($call) $body);
+    };
+    ($(#[$m:meta])* $vis:vis cuda fn $name:ident(
+        $call:ident, operands: [$($kind:ident($p:literal)),* $(,)?], results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
+        $(, state: $sty:ty = $sinit:expr)? $(,)?
+    ) $body:block) => {
+        $crate::xla_handler!(@emit handle_cuda, $crate::xla::Signature::with_operands(
+            &[$($crate::xla::Operand::$kind($p)),*], $r, &[$($($a),*)?]
+        ), [$($sty, $sinit)?], $(#[$m])* $vis fn $name($call) $body);
+    };
     ($(#[$m:meta])* $vis:vis fn $name:ident(
         $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
         $(, state: $sty:ty = $sinit:expr)? $(,)?
     ) $body:block) => {
-        $crate::xla_handler!(@emit handle, ($n, $r, [$($($a),*)?], [$($sty, $sinit)?]), $(#[$m])* $vis fn $name($call) $body);
+        $crate::xla_handler!(@emit handle, $crate::xla::Signature::new($n, $r, &[$($($a),*)?]), [$($sty, $sinit)?], $(#[$m])* $vis fn $name($call) $body);
     };
     ($(#[$m:meta])* $vis:vis cuda fn $name:ident(
         $call:ident, operands: $n:expr, results: $r:expr $(, attrs: [$($a:expr),* $(,)?])?
         $(, state: $sty:ty = $sinit:expr)? $(,)?
     ) $body:block) => {
-        $crate::xla_handler!(@emit handle_cuda, ($n, $r, [$($($a),*)?], [$($sty, $sinit)?]), $(#[$m])* $vis fn $name($call) $body);
+        $crate::xla_handler!(@emit handle_cuda, $crate::xla::Signature::new($n, $r, &[$($($a),*)?]), [$($sty, $sinit)?], $(#[$m])* $vis fn $name($call) $body);
     };
     // One expansion for both platforms: `$handle` is `xla::handle` or `xla::handle_cuda`.
-    (@emit $handle:ident, ($n:expr, $r:expr, [$($a:expr),*], [$($sty:ty, $sinit:expr)?]), $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
+    (@emit $handle:ident, $sig:expr, [$($sty:ty, $sinit:expr)?], $(#[$m:meta])* $vis:vis fn $name:ident($call:ident) $body:block) => {
         $(#[$m])*
         ///
         /// # Safety
@@ -1614,7 +2011,7 @@ macro_rules! xla_handler {
                     ::std::boxed::Box::new(state)
                 }
             )?
-            const SIGNATURE: $crate::xla::Signature = $crate::xla::Signature::new($n, $r, &[$($a),*])
+            const SIGNATURE: $crate::xla::Signature = $sig
                 $(.with_state($crate::xla::StateDecl::new::<$sty>(make_state)))?;
             // The body is a safe fn of its own (not code inside this unsafe fn or an unsafe block):
             // an unsafe call in it needs its own `unsafe` block and SAFETY line.

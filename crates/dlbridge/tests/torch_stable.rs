@@ -58,6 +58,7 @@ fn setup() -> Option<&'static Torch> {
         dlbridge::torch_stable::xla::register::<Saxpy>(t, NS).unwrap();
         dlbridge::torch_stable::xla::register::<SaxpyInPlace>(t, NS).unwrap();
         dlbridge::torch_stable::xla::register::<Sum8>(t, NS).unwrap();
+        dlbridge::torch_stable::xla::register::<SumPlus>(t, NS).unwrap();
     });
     Some(t)
 }
@@ -786,4 +787,98 @@ fn a_borrowed_description_is_the_tensors_layout_without_a_new_handle() {
     let meta = t.empty(&[3], DataType::FLOAT32, TorchDevice::META).unwrap();
     // SAFETY: as above.
     assert!(unsafe { d.describe(meta.as_raw()) }.is_none());
+}
+
+// --- Tensor? and Tensor[] arguments: decoded from torch's box and list, every handle freed once ---
+
+dlbridge::xla_handler! {
+    /// `out = x + sum(xs) (+ bias)`, float32 vectors.
+    fn sum_plus_xla(call, operands: [tensor("x"), list("xs"), optional("bias")], results: 1) {
+        let x = call.input::<f32, Rank<1>>(0, "x")?;
+        let xs = call.input_list::<f32, Rank<1>>(1, "xs")?;
+        let bias = call.optional_input::<f32, Rank<1>>(2, "bias")?;
+        let mut out = call.output::<f32, Rank<1>>(0, "out")?;
+        let mut o = out.as_slice_mut()?;
+        o.copy_from_slice(&x.as_slice()?);
+        for t in xs.iter().chain(bias.iter()) {
+            for (o, v) in o.iter_mut().zip(t.as_slice()?.iter()) {
+                *o += v;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct SumPlus;
+impl NativeOp for SumPlus {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new(
+            "sum_plus",
+            &[("x", ArgKind::Tensor), ("xs", ArgKind::TensorList), ("bias", ArgKind::OptTensor)],
+            &[ArgKind::Tensor],
+        )
+        .with_defaults(&[("bias", "None")]),
+        attrs: &[],
+        out: Some(OutRule::Like(0)),
+        handler: sum_plus_xla,
+    };
+}
+
+static SUM_PLUS_FREED: AtomicUsize = AtomicUsize::new(0);
+
+#[test]
+fn optional_and_list_arguments_reach_the_handler_and_every_tensor_is_freed_once() {
+    let Some(t) = setup() else { return };
+    assert_eq!(
+        SumPlus::OP.signature.schema().unwrap(),
+        "sum_plus(Tensor x, Tensor[] xs, Tensor? bias=None) -> Tensor"
+    );
+    let call = |args: Vec<Value>| {
+        // SAFETY: the arguments and results have the op's schema types.
+        unsafe { t.call("dlbridge_test::sum_plus", "", args, &[ArgKind::Tensor]) }
+    };
+    let freed = &SUM_PLUS_FREED;
+    let made = {
+        let x = counted(t, &[3], freed); // 0 1 2
+        let xs: Vec<Tensor> = (0..3).map(|_| counted(t, &[3], freed)).collect();
+        let bias = counted(t, &[3], freed);
+        let handles = |v: &[Tensor]| v.iter().map(|t| t.new_handle().unwrap()).collect::<Vec<_>>();
+        // Three items and a bias; none and no bias; a list with an item of another dtype.
+        let out = one(call(vec![
+            Value::Tensor(x.new_handle().unwrap()),
+            Value::TensorList(handles(&xs)),
+            Value::OptTensor(Some(bias.new_handle().unwrap())),
+        ])
+        .unwrap());
+        assert_eq!(f32s(&out), [0.0, 5.0, 10.0]);
+        let out = one(call(vec![
+            Value::Tensor(x.new_handle().unwrap()),
+            Value::TensorList(vec![]),
+            Value::OptTensor(None),
+        ])
+        .unwrap());
+        assert_eq!(f32s(&out), [0.0, 1.0, 2.0]);
+        let int = t.empty(&[3], DataType::INT32, TorchDevice::CPU).unwrap();
+        let err = call(vec![
+            Value::Tensor(x.new_handle().unwrap()),
+            Value::TensorList(vec![xs[0].new_handle().unwrap(), int]),
+            Value::OptTensor(Some(bias.new_handle().unwrap())),
+        ])
+        .unwrap_err();
+        if t.has("torch_exception_get_what_without_backtrace") {
+            assert!(err.to_string().contains("xs[1]: expected float32"), "{err}");
+        }
+        // The Meta kernel decodes them too.
+        let m = t.empty(&[4], DataType::FLOAT32, TorchDevice::META).unwrap();
+        let out = one(call(vec![
+            Value::Tensor(m.new_handle().unwrap()),
+            Value::TensorList(vec![m.new_handle().unwrap()]),
+            Value::OptTensor(Some(m)),
+        ])
+        .unwrap());
+        assert_eq!(out.sizes().unwrap(), vec![4]);
+        5
+    };
+    // Every counted tensor's storage freed once: no handle leaked by the decoding.
+    assert_eq!(freed.load(Ordering::SeqCst), made);
 }

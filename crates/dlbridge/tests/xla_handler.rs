@@ -1058,3 +1058,137 @@ fn the_signature_is_what_the_handler_declared() {
     let s = dlbridge::xla::Signature::new(2, 1, &["a", "eps"]);
     assert_eq!((s.operands(), s.results(), s.attrs()), (2, 1, &["a", "eps"][..]));
 }
+
+// --- optional operands and lists of operands ---
+
+dlbridge::xla_handler! {
+    /// `out = sum_i xs[i] (+ bias)`, float32 vectors: a list and an optional.
+    fn sum_plus(call, operands: [list("xs"), optional("bias")], results: 1, attrs: ["scale"]) {
+        let scale: f32 = call.attr("scale")?;
+        let xs = call.input_list::<f32, Rank<1>>(0, "xs")?;
+        let bias = call.optional_input::<f32, Rank<1>>(1, "bias")?;
+        let mut out = call.output::<f32, Rank<1>>(0, "out")?;
+        let mut o = out.as_slice_mut()?;
+        o.fill(0.0);
+        for x in &xs {
+            for (o, x) in o.iter_mut().zip(x.as_slice()?.iter()) {
+                *o += scale * x;
+            }
+        }
+        if let Some(b) = &bias {
+            for (o, b) in o.iter_mut().zip(b.as_slice()?.iter()) {
+                *o += b;
+            }
+        }
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Wrong on purpose: reads its optional parameter as a plain tensor.
+    fn reads_optional_as_tensor(call, operands: [tensor("x"), optional("bias")], results: 0) {
+        call.input::<f32, Rank<1>>(1, "bias")?;
+        Ok(())
+    }
+}
+
+fn counts(xs: i64, bias: i64) -> Vec<Attr> {
+    vec![
+        scalar("scale", XLA_FFI_DataType::F32, 1.0f32),
+        scalar("xs.count", XLA_FFI_DataType::S64, xs),
+        scalar("bias.count", XLA_FFI_DataType::S64, bias),
+    ]
+}
+
+#[test]
+fn optional_and_list_parameters_are_read_by_their_counts() {
+    let (mut a, mut b, mut c, mut bias, mut out) =
+        ([1.0f32; 3], [2.0f32; 3], [4.0f32; 3], [0.5f32; 3], [0.0f32; 3]);
+    let v = |p| buf(XLA_FFI_DataType::F32, p, &[3]);
+    // Three list items and a bias.
+    let mut f = Frame::new(
+        vec![v(f32s(&mut a)), v(f32s(&mut b)), v(f32s(&mut c)), v(f32s(&mut bias))],
+        vec![v(f32s(&mut out))],
+        counts(3, 1),
+    );
+    f.call(sum_plus).unwrap();
+    drop(f);
+    assert_eq!(out, [7.5; 3]);
+    // No bias (None), an empty list.
+    let mut f = Frame::new(vec![v(f32s(&mut a))], vec![v(f32s(&mut out))], counts(1, 0));
+    f.call(sum_plus).unwrap();
+    drop(f);
+    assert_eq!(out, [1.0; 3]);
+    let mut f = Frame::new(vec![], vec![v(f32s(&mut out))], counts(0, 0));
+    f.call(sum_plus).unwrap();
+    drop(f);
+    assert_eq!(out, [0.0; 3]);
+}
+
+#[test]
+fn malformed_counts_are_refused_before_the_body_runs() {
+    let (mut a, mut b, mut out) = ([1.0f32; 3], [2.0f32; 3], [0.0f32; 3]);
+    let v = |p| buf(XLA_FFI_DataType::F32, p, &[3]);
+    let operands = |a: &mut [f32; 3], b: &mut [f32; 3]| vec![v(f32s(a)), v(f32s(b))];
+    // Counts that do not add up to the operands.
+    let mut f = Frame::new(operands(&mut a, &mut b), vec![v(f32s(&mut out))], counts(1, 0));
+    invalid(f.call(sum_plus), &["sum_plus: wrong number of operands: the counts say 1, the call has 2"]);
+    drop(f);
+    // An optional counted twice; a negative list; a count past the operands.
+    let mut f = Frame::new(operands(&mut a, &mut b), vec![v(f32s(&mut out))], counts(0, 2));
+    invalid(f.call(sum_plus), &["sum_plus: attribute bias.count: 2 operands (0..=1 allowed)"]);
+    drop(f);
+    let mut f = Frame::new(operands(&mut a, &mut b), vec![v(f32s(&mut out))], counts(-1, 1));
+    invalid(f.call(sum_plus), &["sum_plus: attribute xs.count: -1 operands"]);
+    drop(f);
+    let mut f = Frame::new(operands(&mut a, &mut b), vec![v(f32s(&mut out))], counts(i64::MAX, 1));
+    invalid(f.call(sum_plus), &["sum_plus: attribute xs.count: ", "operands (0..=2 allowed)"]);
+    drop(f);
+    // A count missing, of another type.
+    let mut attrs = counts(2, 0);
+    attrs.pop();
+    let mut f = Frame::new(operands(&mut a, &mut b), vec![v(f32s(&mut out))], attrs);
+    invalid(
+        f.call(sum_plus),
+        &[
+            "sum_plus: wrong attributes: the handler reads scale, xs.count, bias.count",
+            "(missing: bias.count)",
+        ],
+    );
+    drop(f);
+    let mut attrs = counts(2, 0);
+    attrs[2] = scalar("bias.count", XLA_FFI_DataType::F32, 0.0f32);
+    let mut f = Frame::new(operands(&mut a, &mut b), vec![v(f32s(&mut out))], attrs);
+    invalid(f.call(sum_plus), &["sum_plus: attribute bias.count"]);
+    drop(f);
+    // A list item of another dtype is named by its index.
+    let mut d = [1.0f64; 3];
+    let mut f = Frame::new(
+        vec![v(f32s(&mut a)), buf(XLA_FFI_DataType::F64, d.as_mut_ptr().cast(), &[3])],
+        vec![v(f32s(&mut out))],
+        counts(2, 0),
+    );
+    invalid(f.call(sum_plus), &["sum_plus: xs[1]: expected float32"]);
+    drop(f);
+    // An optional parameter read as a plain tensor: the body's mistake, said.
+    let mut f =
+        Frame::new(operands(&mut a, &mut b), vec![], vec![scalar("bias.count", XLA_FFI_DataType::S64, 1i64)]);
+    invalid(
+        f.call(reads_optional_as_tensor),
+        &[
+            "bias: parameter 1 (bias) is declared an optional tensor, read as a tensor: read it with Call::optional_input",
+        ],
+    );
+    drop(f);
+    assert_eq!(out, [0.0; 3]);
+}
+
+#[test]
+fn a_declared_signature_lists_its_parameters() {
+    use dlbridge::xla::{Operand, Signature};
+    const S: Signature =
+        Signature::with_operands(&[Operand::tensor("x"), Operand::optional("b")], 1, &["eps"]);
+    assert_eq!(S.params(), &[Operand::Tensor("x"), Operand::Optional("b")][..]);
+    assert_eq!((S.operands(), S.results(), S.attrs()), (2, 1, &["eps"][..]));
+    assert!(S.params()[1].is_counted() && !S.params()[0].is_counted());
+}

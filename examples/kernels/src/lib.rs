@@ -18,6 +18,8 @@ mod rms_norm;
 mod reduce;
 // center_rows: a handler with scratch memory, a state made once, and XLA's thread pool.
 mod context;
+// Optional tensors and lists of tensors: scale_shift(x, weight, bias=None), accumulate(x, xs, weights).
+mod params;
 
 /// The element types the kernels compute with: each is read and written through `f64`.
 /// (A helper of this example, not part of dlbridge.)
@@ -237,5 +239,6 @@ fn dlbridge_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
     rms_norm::add_kernels(m)?;
     reduce::add_kernels(m)?;
     context::add_kernels(m)?;
+    params::add_kernels(m)?;
     Ok(())
 }

@@ -263,3 +263,64 @@ def test_the_default_names_are_the_function_in_its_package():
     assert (k.namespace, k.op_name) == ("my_kernels", twice.__name__)
     assert k.target == f"my_kernels.{twice.__name__}"
     assert repr(k) == f"<dlbridge kernel my_kernels.{twice.__name__}>"
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_optional_and_list_parameters_through_the_torch_op():
+    """A Tensor? and a Tensor[] parameter (optional=, lists=): the op's schema, autograd with a
+    gradient per list item and None for an absent optional, torch.compile, opcheck."""
+    import torch
+
+    def comb(x, xs, bias=None):
+        out = x.clone()
+        for t in xs:
+            out = out + 2 * t
+        return out if bias is None else out + bias
+
+    def backward(named):
+        g = named["grad"]
+        assert isinstance(named["xs"], list) and (named["bias"] is None or named["bias"].shape == g.shape)
+        return {"x": g, "xs": [2 * g for _ in named["xs"]], "bias": g}
+
+    k = fresh(comb, optional=["bias"], lists=["xs"], backward=backward)
+    schema = str(k._overload._schema)
+    assert "Tensor[] xs" in schema and "Tensor? bias=None" in schema, schema
+    x, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    (k(x, xs, b) * 3).sum().backward()
+    assert x.grad.tolist() == [3.0] * 3 and b.grad.tolist() == [3.0] * 3
+    assert all(t.grad.tolist() == [6.0] * 3 for t in xs)
+    x.grad = b.grad = None
+    gx, g0 = torch.autograd.grad(k(x, xs).sum(), (x, xs[0]))
+    assert gx.tolist() == [1.0] * 3 and g0.tolist() == [2.0] * 3
+    f = torch.compile(lambda x, xs, b: k(x, xs, b) + 1, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x, xs, None), comb(x, xs) + 1)
+        torch.testing.assert_close(f(x, xs, b), comb(x, xs, b) + 1)
+    for args in [(x, xs, b), (x.detach(), [t.detach() for t in xs], None), (x, [], None)]:
+        result = torch.library.opcheck(k._overload, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_none_for_a_tensor_that_is_not_optional_is_said_in_the_authors_terms():
+    import torch
+
+    def add(x, y):
+        return x + y
+
+    k = fresh(add)
+    with pytest.raises(TypeError, match=r"argument 'y' is None, but the kernel declares 'y' a tensor, not an optional one"):
+        k(torch.ones(2, requires_grad=True), None)
+
+
+def test_optional_and_list_declarations_are_checked():
+    def f(x, bias, xs):
+        return x
+
+    with pytest.raises(ValueError, match="optional names 'nope', not a tensor parameter"):
+        fresh(f, optional=["nope"])
+    with pytest.raises(ValueError, match="out='bias': 'bias' is an optional tensor"):
+        fresh(f, optional=["bias"], out="bias")
+    with pytest.raises(ValueError, match="results= with optional= or lists="):
+        fresh(f, lists=["xs"], results=["a"], result_rule=lambda *a: [])

@@ -28,6 +28,10 @@ pub enum Value {
     FloatList(Vec<f64>),
     /// A `bool[]`.
     BoolList(Vec<bool>),
+    /// A `Tensor?` argument: a tensor (an owning handle) or None.
+    OptTensor(Option<Tensor>),
+    /// A `Tensor[]` argument: its tensors (owning handles), in order.
+    TensorList(Vec<Tensor>),
 }
 
 impl Value {
@@ -41,6 +45,8 @@ impl Value {
             Self::IntList(_) => "int[]",
             Self::FloatList(_) => "float[]",
             Self::BoolList(_) => "bool[]",
+            Self::OptTensor(_) => "Tensor?",
+            Self::TensorList(_) => "Tensor[]",
         }
     }
 }
@@ -196,6 +202,22 @@ impl Args {
         match self.get(i, "bool")? {
             &Value::Bool(v) => Ok(v),
             v => Err(self.wrong(i, "bool", v)),
+        }
+    }
+
+    /// `Tensor?` argument `i`: the tensor, or `None`.
+    pub fn opt_tensor(&self, i: usize) -> Result<Option<&Tensor>, KernelError> {
+        match self.get(i, "Tensor?")? {
+            Value::OptTensor(t) => Ok(t.as_ref()),
+            v => Err(self.wrong(i, "Tensor?", v)),
+        }
+    }
+
+    /// `Tensor[]` argument `i`: its tensors, in order.
+    pub fn tensor_list(&self, i: usize) -> Result<&[Tensor], KernelError> {
+        match self.get(i, "Tensor[]")? {
+            Value::TensorList(t) => Ok(t),
+            v => Err(self.wrong(i, "Tensor[]", v)),
         }
     }
 
@@ -401,7 +423,7 @@ unsafe fn take_args(
             },
             ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList => {
                 // SAFETY: a list argument is an owning list handle of plain values.
-                match unsafe { take_list(torch, raw as usize as StableListHandle) } {
+                match unsafe { take_plain_list(torch, raw as usize as StableListHandle) } {
                     Ok(words) => Some(match kind {
                         ArgKind::IntList => Value::IntList(words.into_iter().map(|w| w as i64).collect()),
                         ArgKind::FloatList => {
@@ -415,6 +437,22 @@ unsafe fn take_args(
                     }
                 }
             }
+            // SAFETY: a Tensor? argument is 0 or an owning box of an owning handle.
+            ArgKind::OptTensor => match unsafe { take_optional(&torch, raw) } {
+                Ok(t) => Some(Value::OptTensor(t)),
+                Err(e) => {
+                    first_error.get_or_insert_with(|| KernelError(format!("argument {name}: {e}")));
+                    None
+                }
+            },
+            // SAFETY: a Tensor[] argument is an owning list of owning handles.
+            ArgKind::TensorList => match unsafe { take_list(&torch, raw) } {
+                Ok(t) => Some(Value::TensorList(t)),
+                Err(e) => {
+                    first_error.get_or_insert_with(|| KernelError(format!("argument {name}: {e}")));
+                    None
+                }
+            },
         };
         values.get_mut()[i] = v;
     }
@@ -465,7 +503,7 @@ unsafe fn take_string(torch: &Torch, h: StringHandle) -> Result<String> {
 /// # Safety
 ///
 /// `h` is NULL or an owning `StableListHandle` of `torch`, of plain values, nothing else frees.
-unsafe fn take_list(torch: &Torch, h: StableListHandle) -> Result<Vec<StableIValue>> {
+unsafe fn take_plain_list(torch: &Torch, h: StableListHandle) -> Result<Vec<StableIValue>> {
     if h.is_null() {
         return Err(Error::Invalid("a NULL list".into()));
     }
@@ -493,6 +531,169 @@ unsafe fn take_list(torch: &Torch, h: StableListHandle) -> Result<Vec<StableIVal
     words
 }
 
+/// What decoding a `Tensor?` or `Tensor[]` argument asks of torch (a trait, so the decoding and
+/// every free it makes can be tested with counters).
+pub(crate) trait Unbox {
+    /// What an owning handle becomes (dropping it deletes the handle).
+    type Tensor;
+    /// The tensor of an owning handle (`None` for NULL).
+    ///
+    /// # Safety
+    ///
+    /// `raw` is NULL or an owning tensor handle nothing else deletes.
+    unsafe fn tensor(&self, raw: StableIValue) -> Option<Self::Tensor>;
+    /// Frees an optional argument's box (`Err`: it cannot be freed here; it is leaked).
+    ///
+    /// # Safety
+    ///
+    /// `b` is a box torch made for an optional argument, freed once.
+    unsafe fn free_box(&self, b: *mut StableIValue) -> Result<(), String>;
+    /// A list's length.
+    ///
+    /// # Safety
+    ///
+    /// `l` is a live list.
+    unsafe fn list_size(&self, l: StableListHandle) -> Result<usize, String>;
+    /// A list's item `i` (below its length), its encoding copied out.
+    ///
+    /// # Safety
+    ///
+    /// `l` is a live list.
+    unsafe fn list_item(&self, l: StableListHandle, i: usize) -> Result<StableIValue, String>;
+    /// Frees a list (not what its items own).
+    ///
+    /// # Safety
+    ///
+    /// `l` is an owning list, freed once.
+    unsafe fn free_list(&self, l: StableListHandle);
+}
+
+impl Unbox for &'static Torch {
+    type Tensor = Tensor;
+
+    unsafe fn tensor(&self, raw: StableIValue) -> Option<Tensor> {
+        // SAFETY: the caller's contract.
+        unsafe { Tensor::from_raw(self, raw as usize as AtenTensorHandle) }
+    }
+
+    unsafe fn free_box(&self, b: *mut StableIValue) -> Result<(), String> {
+        // torch 2.13+ frees it with its own function (a plain `delete`); before, torch made it
+        // with C++ `new`, so C++ `delete` frees it.
+        if let Some(f) = self.syms.torch_delete_stable_ivalue {
+            // SAFETY: the caller's contract: torch's box, freed once.
+            return if unsafe { f(b) } == 0 {
+                Ok(())
+            } else {
+                Err("torch_delete_stable_ivalue failed".into())
+            };
+        }
+        match self.syms._ZdlPv {
+            Some(f) => {
+                // SAFETY: as above: a `new StableIValue` of this libtorch's C++ runtime.
+                unsafe { f(b.cast()) };
+                Ok(())
+            }
+            None => Err("this torch exports no function to free an optional argument's box".into()),
+        }
+    }
+
+    unsafe fn list_size(&self, l: StableListHandle) -> Result<usize, String> {
+        let f = self.need(self.syms.torch_list_size, "torch_list_size").map_err(|e| e.to_string())?;
+        let mut n = 0usize;
+        // SAFETY: a live list and a place for its length.
+        self.check(unsafe { f(l, &mut n) }, "torch_list_size").map_err(|e| e.to_string())?;
+        Ok(n)
+    }
+
+    unsafe fn list_item(&self, l: StableListHandle, i: usize) -> Result<StableIValue, String> {
+        let f = self.need(self.syms.torch_list_get_item, "torch_list_get_item").map_err(|e| e.to_string())?;
+        let mut v: StableIValue = 0;
+        // SAFETY: a live list, an index below its length, a place for the item.
+        self.check(unsafe { f(l, i, &mut v) }, "torch_list_get_item").map_err(|e| e.to_string())?;
+        Ok(v)
+    }
+
+    unsafe fn free_list(&self, l: StableListHandle) {
+        if let Some(f) = self.syms.torch_delete_list {
+            // SAFETY: the caller's contract: an owning list, freed once.
+            let _ = unsafe { f(l) };
+        }
+    }
+}
+
+/// A `Tensor?` argument taken off the stack: `raw` is 0 (None) or a box holding an owning
+/// tensor handle; the box is freed here (once), the tensor owned by the result.
+///
+/// # Safety
+///
+/// `raw` is a `Tensor?` argument torch put on a kernel's stack (owned by the kernel).
+pub(crate) unsafe fn take_optional<U: Unbox>(u: &U, raw: StableIValue) -> Result<Option<U::Tensor>, String> {
+    if raw == 0 {
+        return Ok(None);
+    }
+    let b = raw as usize as *mut StableIValue;
+    if !b.is_aligned() {
+        return Err("a misaligned optional box".into());
+    }
+    // SAFETY: a box of one StableIValue (the caller's contract), read before it is freed.
+    let inner = unsafe { b.read() };
+    // SAFETY: the inner value is an owning handle, now the result's.
+    let t = unsafe { u.tensor(inner) };
+    // SAFETY: the box, freed once (its content was copied out above).
+    let freed = unsafe { u.free_box(b) };
+    match (t, freed) {
+        (Some(t), Ok(())) => Ok(Some(t)),
+        (None, _) => Err("a NULL tensor in its optional box".into()),
+        (Some(_), Err(e)) => Err(e),
+    }
+}
+
+/// A `Tensor[]` argument taken off the stack: every item's owning handle is taken (a NULL item
+/// is an error, the others are still taken, so dropped), then the list is freed (once).
+///
+/// # Safety
+///
+/// `raw` is a `Tensor[]` argument torch put on a kernel's stack (owned by the kernel).
+pub(crate) unsafe fn take_list<U: Unbox>(u: &U, raw: StableIValue) -> Result<Vec<U::Tensor>, String> {
+    let l = raw as usize as StableListHandle;
+    if l.is_null() {
+        return Err("a NULL list".into());
+    }
+    // SAFETY: a live list (the caller's contract).
+    let n = match unsafe { u.list_size(l) } {
+        Ok(n) => n,
+        Err(e) => {
+            // The items cannot be reached: they leak, never freed twice; the list is freed.
+            // SAFETY: the owning list, freed once.
+            unsafe { u.free_list(l) };
+            return Err(e);
+        }
+    };
+    let mut items = Vec::new();
+    let mut first_error = None;
+    for i in 0..n {
+        // SAFETY: a live list, `i` below its length.
+        match unsafe { u.list_item(l, i) } {
+            // SAFETY: each item is an owning handle, now the result's.
+            Ok(raw) => match unsafe { u.tensor(raw) } {
+                Some(t) => items.push(t),
+                None => {
+                    first_error.get_or_insert_with(|| format!("item {i}: a NULL tensor"));
+                }
+            },
+            Err(e) => {
+                first_error.get_or_insert_with(|| format!("item {i}: {e}"));
+            }
+        }
+    }
+    // SAFETY: the owning list, freed once, after its items were taken.
+    unsafe { u.free_list(l) };
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(items),
+    }
+}
+
 /// Puts the outputs on the stack, all or none (an unset one fails before anything is written).
 ///
 /// # Safety
@@ -509,8 +710,13 @@ unsafe fn put_outputs(stack: *mut StableIValue, outs: Outputs) -> Result<(), Ker
             Value::Int(v) => v as u64,
             Value::Float(v) => v.to_bits(),
             Value::Bool(v) => bool_word(v),
-            Value::Str(_) | Value::IntList(_) | Value::FloatList(_) | Value::BoolList(_) => {
-                unreachable!("Outputs::set refuses str and lists")
+            Value::Str(_)
+            | Value::IntList(_)
+            | Value::FloatList(_)
+            | Value::BoolList(_)
+            | Value::OptTensor(_)
+            | Value::TensorList(_) => {
+                unreachable!("Outputs::set refuses str, lists and Tensor?")
             }
         };
         // SAFETY: entry i < num_outputs of torch's stack; torch takes the handle.
@@ -564,10 +770,12 @@ fn no_torch() -> ! {
 impl Torch {
     /// Calls op `op` (e.g. `"aten::add"`, `"my_ns::my_op"`), overload `overload` (`""` for the
     /// default) through the dispatcher with `args`, and returns its results decoded as `rets`
-    /// (`torch_call_dispatcher`, or `aoti_torch_call_dispatcher` before torch 2.10). List
-    /// arguments and results are refused ([`Error::Invalid`]).
+    /// (`torch_call_dispatcher`, or `aoti_torch_call_dispatcher` before torch 2.10). `int[]`,
+    /// `float[]` and `bool[]` arguments, and list or optional results, are refused
+    /// ([`Error::Invalid`]).
     ///
-    /// Torch takes the arguments (tensor handles and strings) once it found the op; when it
+    /// `Tensor?` arguments go in a new box, `Tensor[]` arguments in a new list (torch frees both).
+    /// Torch takes the arguments (tensor handles, strings, boxes and lists) once it found the op; when it
     /// fails before that (no such op) it frees none of them, and which it took is not said, so
     /// they are leaked rather than risk a double free. An error the op (or its kernel) threw is
     /// [`Error::Call`] with its message (torch 2.13+).
@@ -588,7 +796,15 @@ impl Torch {
         let c_ov = CString::new(overload)
             .map_err(|_| Error::Invalid(format!("overload: {overload:?} contains a NUL byte")))?;
         if let Some(k) = rets.iter().find(|k| {
-            matches!(k, ArgKind::TensorMut | ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList)
+            matches!(
+                k,
+                ArgKind::TensorMut
+                    | ArgKind::IntList
+                    | ArgKind::FloatList
+                    | ArgKind::BoolList
+                    | ArgKind::OptTensor
+                    | ArgKind::TensorList
+            )
         }) {
             return Err(Error::Invalid(format!("rets: a result of kind {k:?}")));
         }
@@ -624,6 +840,19 @@ impl Torch {
                 }
             }
         }
+        // Then optional boxes and lists (their items the tensors' handles, still owned by `args`
+        // until every encoding succeeded): a failure frees what was made, strings included.
+        let boxed = match self.box_and_list(&args, &mut stack) {
+            Ok(made) => made,
+            Err(e) => {
+                for (_, h) in strings {
+                    // SAFETY: handles made just above, not given to torch.
+                    unsafe { self.delete_string(h) };
+                }
+                return Err(e);
+            }
+        };
+        debug_assert!(boxed <= args.len());
         for (i, h) in strings {
             stack[i] = h as usize as u64;
         }
@@ -635,6 +864,17 @@ impl Torch {
                 Value::Bool(v) => bool_word(v),
                 Value::Str(_) => stack[i],
                 Value::IntList(_) | Value::FloatList(_) | Value::BoolList(_) => unreachable!("refused above"),
+                // The box or list (made above) holds the handles, which torch now owns.
+                Value::OptTensor(t) => {
+                    t.map(Tensor::into_raw);
+                    stack[i]
+                }
+                Value::TensorList(ts) => {
+                    ts.into_iter().for_each(|t| {
+                        t.into_raw();
+                    });
+                    stack[i]
+                }
             };
         }
         let code = match (call_new, call_old) {
@@ -676,7 +916,12 @@ impl Torch {
                         continue;
                     }
                 },
-                ArgKind::TensorMut | ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList => {
+                ArgKind::TensorMut
+                | ArgKind::IntList
+                | ArgKind::FloatList
+                | ArgKind::BoolList
+                | ArgKind::OptTensor
+                | ArgKind::TensorList => {
                     unreachable!("refused above")
                 }
             });
@@ -685,6 +930,92 @@ impl Torch {
             Some(e) => Err(e),
             None => Ok(out),
         }
+    }
+
+    /// Encodes each `Tensor?` argument with a tensor as a new box and each `Tensor[]` argument
+    /// as a new list, holding the tensors' handles (still owned by `args`), into `stack`; returns
+    /// how many it made. A failure frees every box and list made, and nothing else.
+    fn box_and_list(&'static self, args: &[Value], stack: &mut [StableIValue]) -> Result<usize> {
+        enum Made {
+            Box(*mut StableIValue),
+            List(StableListHandle),
+        }
+        let mut made: Vec<Made> = Vec::new();
+        let free = |made: Vec<Made>| {
+            for m in made {
+                match m {
+                    // SAFETY: a box made below, not given to torch.
+                    Made::Box(b) => unsafe {
+                        let _ = Unbox::free_box(&self, b);
+                    },
+                    // SAFETY: a list made below, not given to torch (its items are borrowed handles).
+                    Made::List(l) => unsafe { Unbox::free_list(&self, l) },
+                }
+            }
+        };
+        for (i, v) in args.iter().enumerate() {
+            let mut step = || -> Result<Option<Made>> {
+                match v {
+                    Value::OptTensor(Some(t)) => {
+                        let new = self.need(self.syms.torch_new_stable_ivalue, "torch_new_stable_ivalue")?;
+                        self.need(self.syms.torch_delete_stable_ivalue, "torch_delete_stable_ivalue")?;
+                        let mut b: *mut StableIValue = std::ptr::null_mut();
+                        // SAFETY: a place for the new box.
+                        self.check(unsafe { new(&mut b) }, "torch_new_stable_ivalue")?;
+                        if b.is_null() || !b.is_aligned() {
+                            return Err(Error::Call {
+                                function: "torch_new_stable_ivalue",
+                                message: "returned NULL".into(),
+                            });
+                        }
+                        // SAFETY: a new box of one StableIValue.
+                        unsafe { b.write(t.as_raw() as usize as u64) };
+                        stack[i] = b as usize as u64;
+                        Ok(Some(Made::Box(b)))
+                    }
+                    Value::OptTensor(None) => {
+                        stack[i] = 0;
+                        Ok(None)
+                    }
+                    Value::TensorList(ts) => {
+                        let new =
+                            self.need(self.syms.torch_new_list_reserve_size, "torch_new_list_reserve_size")?;
+                        let push = self.need(self.syms.torch_list_push_back, "torch_list_push_back")?;
+                        self.need(self.syms.torch_delete_list, "torch_delete_list")?;
+                        let mut l: StableListHandle = std::ptr::null_mut();
+                        // SAFETY: a place for the new list.
+                        self.check(unsafe { new(ts.len(), &mut l) }, "torch_new_list_reserve_size")?;
+                        if l.is_null() {
+                            return Err(Error::Call {
+                                function: "torch_new_list_reserve_size",
+                                message: "returned NULL".into(),
+                            });
+                        }
+                        for t in ts {
+                            // SAFETY: a live list; the handle stays owned by its Tensor until the call.
+                            let code = unsafe { push(l, t.as_raw() as usize as u64) };
+                            if let Err(e) = self.check(code, "torch_list_push_back") {
+                                // SAFETY: the list made above, freed once (its items are borrowed).
+                                unsafe { Unbox::free_list(&self, l) };
+                                return Err(e);
+                            }
+                        }
+                        stack[i] = l as usize as u64;
+                        Ok(Some(Made::List(l)))
+                    }
+                    _ => Ok(None),
+                }
+            };
+            match step() {
+                Ok(Some(m)) => made.push(m),
+                Ok(None) => {}
+                Err(e) => {
+                    free(made);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made.len())
     }
 
     fn new_string(&self, s: &str) -> Result<StringHandle> {
@@ -708,5 +1039,134 @@ impl Torch {
             // SAFETY: the caller's contract.
             let _ = unsafe { f(h) };
         }
+    }
+}
+
+#[cfg(test)]
+mod unbox_tests {
+    //! The decoding of `Tensor?` and `Tensor[]` arguments and what it frees, counted: each box,
+    //! list and tensor handle freed exactly once, whatever fails.
+
+    use std::cell::Cell;
+
+    use super::{StableIValue, StableListHandle, Unbox, take_list, take_optional};
+
+    /// Handles are boxed ids; boxes are `Box<u64>`; lists `Box<Vec<u64>>`. Every free counted.
+    #[derive(Default)]
+    struct Counting {
+        tensors_deleted: Cell<usize>,
+        boxes_freed: Cell<usize>,
+        lists_freed: Cell<usize>,
+        /// Make list_item fail at this index.
+        fail_item: Option<usize>,
+    }
+
+    /// An owning fake handle: deleting it counts.
+    #[derive(Debug)]
+    struct Handle<'c>(Box<u32>, &'c Cell<usize>);
+
+    impl Drop for Handle<'_> {
+        fn drop(&mut self) {
+            self.1.set(self.1.get() + 1);
+        }
+    }
+
+    fn handle(id: u32) -> StableIValue {
+        Box::into_raw(Box::new(id)) as usize as u64
+    }
+
+    impl<'c> Unbox for &'c Counting {
+        type Tensor = Handle<'c>;
+
+        unsafe fn tensor(&self, raw: StableIValue) -> Option<Handle<'c>> {
+            let p = raw as usize as *mut u32;
+            // SAFETY: made by handle() (an owning box), taken once.
+            (!p.is_null()).then(|| Handle(unsafe { Box::from_raw(p) }, &self.tensors_deleted))
+        }
+
+        unsafe fn free_box(&self, b: *mut StableIValue) -> Result<(), String> {
+            // SAFETY: made by Box::into_raw in the test, freed once.
+            drop(unsafe { Box::from_raw(b) });
+            self.boxes_freed.set(self.boxes_freed.get() + 1);
+            Ok(())
+        }
+
+        unsafe fn list_size(&self, l: StableListHandle) -> Result<usize, String> {
+            // SAFETY: a live Box<Vec<u64>> of the test.
+            Ok(unsafe { (&*l.cast::<Vec<u64>>()).len() })
+        }
+
+        unsafe fn list_item(&self, l: StableListHandle, i: usize) -> Result<StableIValue, String> {
+            if self.fail_item == Some(i) {
+                return Err("refused".into());
+            }
+            // SAFETY: as above; i below the length.
+            Ok(unsafe { (&*l.cast::<Vec<u64>>())[i] })
+        }
+
+        unsafe fn free_list(&self, l: StableListHandle) {
+            // SAFETY: made by Box::into_raw in the test, freed once.
+            drop(unsafe { Box::from_raw(l.cast::<Vec<u64>>()) });
+            self.lists_freed.set(self.lists_freed.get() + 1);
+        }
+    }
+
+    fn list(items: Vec<u64>) -> StableIValue {
+        Box::into_raw(Box::new(items)) as usize as u64
+    }
+
+    #[test]
+    fn an_optional_tensor_frees_its_box_once_and_owns_the_tensor() {
+        let c = Counting::default();
+        // SAFETY: 0 is None.
+        assert!(unsafe { take_optional(&&c, 0) }.unwrap().is_none());
+        assert_eq!(c.boxes_freed.get(), 0);
+        let boxed = Box::into_raw(Box::new(handle(7))) as usize as u64;
+        // SAFETY: a box of an owning handle.
+        let t = unsafe { take_optional(&&c, boxed) }.unwrap().unwrap();
+        assert_eq!((*t.0, c.boxes_freed.get(), c.tensors_deleted.get()), (7, 1, 0));
+        drop(t);
+        assert_eq!(c.tensors_deleted.get(), 1);
+        // A box holding NULL: an error, the box still freed once.
+        let boxed = Box::into_raw(Box::new(0u64)) as usize as u64;
+        // SAFETY: as above.
+        assert!(unsafe { take_optional(&&c, boxed) }.unwrap_err().contains("NULL tensor"));
+        assert_eq!((c.boxes_freed.get(), c.tensors_deleted.get()), (2, 1));
+    }
+
+    #[test]
+    fn a_list_frees_itself_once_and_owns_each_tensor() {
+        let c = Counting::default();
+        let l = list(vec![handle(1), handle(2), handle(3)]);
+        // SAFETY: an owning list of owning handles.
+        let items = unsafe { take_list(&&c, l) }.unwrap();
+        assert_eq!(items.iter().map(|h| *h.0).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 0));
+        drop(items);
+        assert_eq!(c.tensors_deleted.get(), 3);
+        // SAFETY: an empty list.
+        assert!(unsafe { take_list(&&c, list(vec![])) }.unwrap().is_empty());
+        assert_eq!(c.lists_freed.get(), 2);
+        // SAFETY: NULL is refused before anything is read.
+        assert!(unsafe { take_list(&&c, 0) }.unwrap_err().contains("NULL list"));
+    }
+
+    #[test]
+    fn a_bad_item_fails_the_list_and_every_other_item_is_still_deleted() {
+        let c = Counting::default();
+        let l = list(vec![handle(1), 0, handle(3)]);
+        // SAFETY: an owning list of owning handles (one NULL).
+        let e = unsafe { take_list(&&c, l) }.unwrap_err();
+        assert!(e.contains("item 1: a NULL tensor"), "{e}");
+        assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 2));
+        let c = Counting { fail_item: Some(0), ..Counting::default() };
+        let leaked = handle(9);
+        let l = list(vec![leaked, handle(2)]);
+        // SAFETY: as above; item 0 cannot be read (it stays unreachable, never freed twice).
+        let e = unsafe { take_list(&&c, l) }.unwrap_err();
+        assert!(e.contains("item 0: refused"), "{e}");
+        assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 1));
+        // SAFETY: the unreadable item's handle, freed by the test (not leaked under Miri).
+        drop(unsafe { Box::from_raw(leaked as usize as *mut u32) });
     }
 }

@@ -42,6 +42,12 @@ pub enum ArgKind {
     FloatList,
     /// `bool[]`: a list handle of bools (torch 2.10+). Arguments only.
     BoolList,
+    /// `Tensor?`: a tensor or None (0, or a heap box holding an owning handle, freed by the
+    /// kernel). Arguments only; its default can be `None`.
+    OptTensor,
+    /// `Tensor[]`: a list of tensors (a `StableListHandle` of owning handles, torch 2.10+; the
+    /// kernel frees the list and owns the handles). Arguments only.
+    TensorList,
 }
 
 impl ArgKind {
@@ -55,6 +61,8 @@ impl ArgKind {
             Self::IntList => "int[]",
             Self::FloatList => "float[]",
             Self::BoolList => "bool[]",
+            Self::OptTensor => "Tensor?",
+            Self::TensorList => "Tensor[]",
         }
     }
 }
@@ -159,7 +167,8 @@ impl OpSignature {
                 ArgKind::IntList => is_list_of(value, int),
                 ArgKind::FloatList => is_list_of(value, float),
                 ArgKind::BoolList => is_list_of(value, boolean),
-                ArgKind::Tensor | ArgKind::TensorMut => false,
+                ArgKind::OptTensor => value == "None",
+                ArgKind::Tensor | ArgKind::TensorMut | ArgKind::TensorList => false,
             };
             if !ok {
                 return Err(Error::Invalid(format!(
@@ -188,7 +197,13 @@ impl OpSignature {
         if let Some(k) = self.rets.iter().find(|k| {
             matches!(
                 k,
-                ArgKind::TensorMut | ArgKind::Str | ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList
+                ArgKind::TensorMut
+                    | ArgKind::Str
+                    | ArgKind::IntList
+                    | ArgKind::FloatList
+                    | ArgKind::BoolList
+                    | ArgKind::OptTensor
+                    | ArgKind::TensorList
             )
         }) {
             return Err(Error::Invalid(format!(

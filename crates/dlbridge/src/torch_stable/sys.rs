@@ -38,8 +38,10 @@ pub struct StringOpaque {
 /// `StringHandle`.
 pub type StringHandle = *mut StringOpaque;
 
-/// An opaque `std::vector<StableIValue>*` (`StableListHandle`, torch 2.10+): a list argument,
-/// its elements encoded as the stack encodes them; the receiver frees it (`torch_delete_list`).
+/// An opaque `std::vector<StableIValue>*` (`StableListHandle`, torch 2.10+): a list argument
+/// (`int[]`, `float[]`, `bool[]`, `Tensor[]`), its elements encoded as the stack encodes them; the
+/// receiver frees it with `torch_delete_list`, which frees the vector only (tensor items stay
+/// owning handles).
 #[repr(C)]
 pub struct StableListOpaque {
     _private: [u8; 0],
@@ -170,13 +172,24 @@ symbols! {
     torch_string_length: fn(StringHandle, *mut usize) -> AOTITorchError;
     /// A string's bytes, borrowed (torch 2.10+).
     torch_string_c_str: fn(StringHandle, *mut *const c_char) -> AOTITorchError;
-
-    /// A list's number of elements (torch 2.10+).
+    /// A list's length (torch 2.10+).
     torch_list_size: fn(StableListHandle, *mut usize) -> AOTITorchError;
-    /// A list's element, as the stack encodes it (torch 2.10+).
+    /// A list's item, copied out (an owning tensor handle stays the list's to give) (torch 2.10+).
     torch_list_get_item: fn(StableListHandle, usize, *mut StableIValue) -> AOTITorchError;
-    /// Frees a list (only the list: owning elements are the caller's to free; torch 2.10+).
+    /// Frees a list (the vector, not what its items own) (torch 2.10+).
     torch_delete_list: fn(StableListHandle) -> AOTITorchError;
+    /// A new, empty list with room for `size` items (torch 2.10+).
+    torch_new_list_reserve_size: fn(usize, *mut StableListHandle) -> AOTITorchError;
+    /// Appends an item to a list (torch 2.10+).
+    torch_list_push_back: fn(StableListHandle, StableIValue) -> AOTITorchError;
+    /// A new heap `StableIValue`, an optional argument's box (torch 2.13+).
+    torch_new_stable_ivalue: fn(*mut *mut StableIValue) -> AOTITorchError;
+    /// Frees a heap `StableIValue`, an optional argument's box (torch 2.13+; a plain `delete`).
+    torch_delete_stable_ivalue: fn(*mut StableIValue) -> AOTITorchError;
+    /// C++ `operator delete(void*)`: what frees an optional argument's box before torch 2.13
+    /// (torch made it with `new StableIValue`).
+    #[allow(non_snake_case)]
+    _ZdlPv: fn(*mut c_void);
 
     /// dtype code.
     aoti_torch_dtype_bool: fn() -> i32;

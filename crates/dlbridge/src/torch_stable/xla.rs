@@ -176,7 +176,8 @@ impl XlaOp {
         let sig = &self.signature;
         let bad = |m: String| Err(Error::Invalid(format!("{}: {m}", sig.name())));
         for &(name, kind) in sig.args() {
-            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList)
+            {
                 continue;
             }
             match self.attrs.iter().find(|(n, _)| *n == name) {
@@ -193,9 +194,12 @@ impl XlaOp {
         let tensors =
             sig.args().iter().filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut)).count();
         let mutated = sig.args().iter().filter(|(_, k)| *k == ArgKind::TensorMut).count();
-        let scalars = sig.args().len() - tensors;
-        if tensors > MAX_FRAME_ITEMS
-            || scalars > MAX_FRAME_ITEMS
+        // Optional and list arguments: operands, and a count attribute each.
+        let counted =
+            sig.args().iter().filter(|(_, k)| matches!(k, ArgKind::OptTensor | ArgKind::TensorList)).count();
+        let scalars = sig.args().len() - tensors - counted;
+        if tensors + counted > MAX_FRAME_ITEMS
+            || scalars + counted > MAX_FRAME_ITEMS
             || sig.rets().len() + mutated > MAX_FRAME_ITEMS
         {
             return bad(format!(
@@ -279,10 +283,33 @@ pub unsafe fn run_meta(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_
     }
 }
 
+/// What decoding the op's `Tensor?` and `Tensor[]` arguments needs of this torch (its functions
+/// to free an optional's box and to read and free a list): [`Error::Missing`] without them, so
+/// the op is not defined rather than leak or fail at every call.
+fn needs_for_args(torch: &'static Torch, sig: &OpSignature) -> Result<()> {
+    let kinds = || sig.args().iter().map(|&(_, k)| k);
+    let missing = |symbol| Err(Error::Missing { symbol, torch: torch.version() });
+    if kinds().any(|k| k == ArgKind::OptTensor)
+        && !torch.has("torch_delete_stable_ivalue")
+        && !torch.has("_ZdlPv")
+    {
+        return missing("torch_delete_stable_ivalue");
+    }
+    if kinds().any(|k| k == ArgKind::TensorList) {
+        for f in ["torch_list_size", "torch_list_get_item", "torch_delete_list"] {
+            if !torch.has(f) {
+                return missing(f);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Defines `O`'s op in namespace `ns` and registers its CPU and Meta kernels. The libraries are
 /// kept for the process.
 pub fn register<O: NativeOp>(torch: &'static Torch, ns: &str) -> Result<()> {
     O::OP.validate()?;
+    needs_for_args(torch, &O::OP.signature)?;
     let name = O::OP.signature.name();
     Library::fragment(torch, ns)?.define(&O::OP.signature)?;
     // SAFETY: the op was just defined from O's signature (a definition by anyone else would
@@ -358,6 +385,7 @@ static SLOT_META: [BoxedKernel; RUNTIME_SLOTS] = slots!(slot_meta);
 /// [`validate`](XlaOp::validate). A slot stays taken if torch then refuses the op.
 pub fn register_op(torch: &'static Torch, ns: &str, op: XlaOp) -> Result<()> {
     op.validate()?;
+    needs_for_args(torch, &op.signature)?;
     let i = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
     if i >= RUNTIME_SLOTS {
         return Err(Error::Invalid(format!(
@@ -517,16 +545,24 @@ const SMALL_FRAME_ITEMS: usize = 4;
 
 fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
     let sig = &op.signature;
-    let (mut tensors, mut mutated) = (0, 0);
-    for &(_, kind) in sig.args() {
-        tensors += matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) as usize;
-        mutated += (kind == ArgKind::TensorMut) as usize;
+    // The frame's operands (a tensor each, an optional one when given, each item of a list),
+    // attributes (each scalar, and the count of each optional or list argument) and results.
+    let (mut operands, mut scalars, mut mutated) = (0, 0, 0);
+    for (i, &(_, kind)) in sig.args().iter().enumerate() {
+        match kind {
+            ArgKind::Tensor => operands += 1,
+            ArgKind::TensorMut => (operands, mutated) = (operands + 1, mutated + 1),
+            ArgKind::OptTensor => {
+                (operands, scalars) = (operands + args.opt_tensor(i)?.is_some() as usize, scalars + 1)
+            }
+            ArgKind::TensorList => (operands, scalars) = (operands + args.tensor_list(i)?.len(), scalars + 1),
+            _ => scalars += 1,
+        }
     }
-    let scalars = sig.args().len() - tensors;
-    // One body, two capacities (validate() bounds every count by MAX_FRAME_ITEMS; the fresh
-    // results are at most the signature's results).
+    // One body, two capacities (validate() bounds the signature's counts by MAX_FRAME_ITEMS, and
+    // the body refuses a list past it; the fresh results are at most the signature's results).
     const S: usize = SMALL_FRAME_ITEMS;
-    if tensors <= S && scalars <= S && sig.rets().len() + mutated <= S {
+    if operands <= S && scalars <= S && sig.rets().len() + mutated <= S {
         call_handler_in::<S>(op, args, outs)
     } else {
         call_handler_in::<MAX_FRAME_ITEMS>(op, args, outs)
@@ -537,59 +573,79 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
 fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
     let torch = args_torch(args)?;
     let sig = &op.signature;
-    // Operands: every tensor argument, C-contiguous on the CPU.
+    // Operands: every tensor argument, C-contiguous on the CPU (an optional one when given, each
+    // item of a list), in order.
     let mut operands: [Option<Operand<'_>>; N] = std::array::from_fn(|_| None);
     let mut dtypes = [DataType::BOOL; N];
     let mut names: [&str; N] = [""; N];
     let mut aliased = [0usize; N]; // operand index of each Tensor(a!) argument
-    let (mut n_ops, mut n_aliased) = (0, 0);
+    let mut plain = [0usize; N]; // operand index of each Tensor or Tensor(a!) argument
+    let (mut n_ops, mut n_aliased, mut n_plain) = (0, 0, 0);
+    // The count attribute of each optional or list argument: (name, count).
+    let mut counts: Vec<(String, i64)> = Vec::new();
+    let hooks = super::version_hooks();
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
-        if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
-            continue;
-        }
-        if n_ops == N {
-            return Err(too_many(op, "tensor arguments", n_ops + 1));
-        }
-        let t = args.tensor(i)?;
-        let device = t.device_kind()?;
-        if device != super::DeviceKind::Cpu {
-            return Err(KernelError(format!("{name}: a {device:?} tensor (this kernel runs on the CPU)")));
-        }
-        let operand = if t.is_contiguous()? {
-            Operand::Borrowed(t)
-        } else {
-            let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
-            Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
+        let tensors: &[Tensor] = match kind {
+            ArgKind::Tensor | ArgKind::TensorMut => std::slice::from_ref(args.tensor(i)?),
+            ArgKind::OptTensor => {
+                let t = args.opt_tensor(i)?;
+                counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), i64::from(t.is_some())));
+                t.map_or(&[], std::slice::from_ref)
+            }
+            ArgKind::TensorList => {
+                let ts = args.tensor_list(i)?;
+                counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), ts.len() as i64));
+                ts
+            }
+            _ => continue,
         };
-        if kind == ArgKind::TensorMut {
-            if n_aliased == N {
-                return Err(too_many(op, "results", n_aliased + 1));
+        for t in tensors {
+            if n_ops == N {
+                return Err(too_many(op, "tensor operands", n_ops + 1));
             }
-            aliased[n_aliased] = n_ops;
-            n_aliased += 1;
-        }
-        dtypes[n_ops] = operand.tensor().dtype()?;
-        names[n_ops] = name;
-        operands[n_ops] = Some(operand);
-        n_ops += 1;
-    }
-    // What torch's ADInplaceOrView kernel would refuse before the call: writing an inference
-    // tensor outside inference mode. And a tensor that requires grad in grad mode: only an op
-    // without an autograd formula gets here so (a registered formula runs the op with grad mode
-    // off), where the result, or the written argument, would silently carry no gradient.
-    if let Some(hooks) = super::version_hooks() {
-        for (i, &(name, kind)) in sig.args().iter().enumerate() {
-            if !matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
-                continue;
-            }
-            // SAFETY: a live handle of a defined tensor (its device was read above).
-            if unsafe { (hooks.untracked_grad)(args.tensor(i)?.as_raw()) } {
+            let device = t.device_kind()?;
+            if device != super::DeviceKind::Cpu {
                 return Err(KernelError(format!(
-                    "argument '{name}' requires grad in grad mode, but no autograd formula is \
-                     registered for this op, so its gradient would be lost: give the kernel a \
-                     backward, call it under torch.no_grad(), or detach() '{name}'"
+                    "{name}: a {device:?} tensor (this kernel runs on the CPU)"
                 )));
             }
+            // A tensor that requires grad in grad mode: only an op without an autograd formula
+            // gets here so (a registered formula runs the op with grad mode off), where the
+            // result, or the written argument, would silently carry no gradient.
+            if let Some(hooks) = hooks {
+                // SAFETY: a live handle of a defined tensor (its device was read above).
+                if unsafe { (hooks.untracked_grad)(t.as_raw()) } {
+                    return Err(KernelError(format!(
+                        "argument '{name}' requires grad in grad mode, but no autograd formula is \
+                         registered for this op, so its gradient would be lost: give the kernel a \
+                         backward, call it under torch.no_grad(), or detach() '{name}'"
+                    )));
+                }
+            }
+            let operand = if t.is_contiguous()? {
+                Operand::Borrowed(t)
+            } else {
+                let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
+                Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
+            };
+            if kind == ArgKind::TensorMut {
+                aliased[n_aliased] = n_ops;
+                n_aliased += 1;
+            }
+            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+                plain[n_plain] = n_ops;
+                n_plain += 1;
+            }
+            dtypes[n_ops] = operand.tensor().dtype()?;
+            names[n_ops] = name;
+            operands[n_ops] = Some(operand);
+            n_ops += 1;
+        }
+    }
+    // What torch's ADInplaceOrView kernel would refuse before the call: writing an inference
+    // tensor outside inference mode.
+    if let Some(hooks) = hooks {
+        for (i, &(name, kind)) in sig.args().iter().enumerate() {
             // SAFETY: a live handle of a defined tensor (its device was read above).
             if kind == ArgKind::TensorMut && !unsafe { (hooks.may_write)(args.tensor(i)?.as_raw()) } {
                 return Err(KernelError(format!(
@@ -620,18 +676,21 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
         None => {}
         Some(OutRule::Like(i)) => {
             // Argument i is a tensor (validate()): its place among the operands.
-            let k = sig.args()[..i]
+            let k = plain[sig.args()[..i]
                 .iter()
                 .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
-                .count();
+                .count()];
             let t = torch.empty(dims[k], dtypes[k], TorchDevice::CPU)?;
             ret_bufs[0] = buffer(t.data_ptr()?, dtypes[k], dims[k], "result")?;
             fresh[0] = Some(t);
             n_fresh = 1;
         }
         Some(OutRule::Fn(_) | OutRule::Dyn(_)) => {
-            let infos: Vec<TensorInfo> =
-                (0..n_ops).map(|k| TensorInfo { dtype: dtypes[k], shape: dims[k].to_vec() }).collect();
+            // The tensor arguments' (not the optional or list ones'), as the Meta kernel sees them.
+            let infos: Vec<TensorInfo> = plain[..n_plain]
+                .iter()
+                .map(|&k| TensorInfo { dtype: dtypes[k], shape: dims[k].to_vec() })
+                .collect();
             made = output_infos(op, &infos, args)?;
             for o in &made {
                 if n_fresh == N {
@@ -667,7 +726,7 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
     let mut narrowed_f32: Vec<Vec<f32>> = Vec::new();
     let mut n_attrs = 0;
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
-        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut) {
+        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList) {
             continue;
         }
         if n_attrs == N {
@@ -748,6 +807,17 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
                 XLA_FFI_DataType::INVALID
             }
         };
+        n_attrs += 1;
+    }
+    // The count of each optional or list argument: an int64 attribute `<name>.count`, as
+    // dlbridge.kernels passes it under jax.jit (the handler declares it: xla::Operand).
+    for (name, n) in &counts {
+        if n_attrs == N {
+            return Err(too_many(op, "scalar arguments", n_attrs + 1));
+        }
+        attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
+        bytemuck_u64(&mut words[n_attrs]).copy_from_slice(&n.to_ne_bytes());
+        scalar_types[n_attrs] = XLA_FFI_DataType::S64;
         n_attrs += 1;
     }
     // Every array is complete and stays where it is until the call returns: pointers into them

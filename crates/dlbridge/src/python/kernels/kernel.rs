@@ -68,6 +68,16 @@ pub struct KernelDef<'a> {
     pub attrs: &'a [(&'a str, &'a str)],
     /// Tensor parameters written in place.
     pub mutates: &'a [&'a str],
+    /// Optional tensor parameters (torch schema `Tensor?`): the caller passes a tensor or `None`;
+    /// the function takes an `Option<TensorRef<..>>`, the handler reads
+    /// [`Call::optional_input`](crate::xla::Call::optional_input) (declared
+    /// [`Operand::Optional`](crate::xla::Operand::Optional)). Not a result's `out` or "like" rule.
+    pub optional: &'a [&'a str],
+    /// List-of-tensors parameters (torch schema `Tensor[]`): the caller passes a list or tuple of
+    /// tensors; the function takes a [`TensorList`](crate::python::TensorList), the handler reads
+    /// [`Call::input_list`](crate::xla::Call::input_list) (declared
+    /// [`Operand::List`](crate::xla::Operand::List)). Not a result's `out` or "like" rule.
+    pub lists: &'a [&'a str],
     /// The XLA FFI handler (CPU) that runs the kernel inside `jax.jit`. Its target is registered
     /// with jax when the kernel is made (or right after jax's own import), so a deserialized
     /// `jax.export` that calls it runs in any process that imported the extension. A handler
@@ -94,6 +104,8 @@ impl Default for KernelDef<'_> {
             results: &[],
             attrs: &[],
             mutates: &[],
+            optional: &[],
+            lists: &[],
             ffi: None,
             vmap_method: "sequential",
             jvp: None,
@@ -253,11 +265,21 @@ pub fn add_kernel<'py>(
     };
     kw.set_item("attrs", PyDict::from_sequence(&def.attrs.to_vec().into_pyobject(py)?)?)?;
     kw.set_item("mutates", PyTuple::new(py, def.mutates)?)?;
+    kw.set_item("optional", PyTuple::new(py, def.optional)?)?;
+    kw.set_item("lists", PyTuple::new(py, def.lists)?)?;
     #[cfg(all(feature = "torch-stable", unix))]
     let native = match def.ffi {
         Some(h) => {
             let capsule = xla_capsule(py, h)?;
-            let register = super::native::registrar(py, def.out, &resolved, def.attrs, def.mutates, h)?;
+            let register = super::native::registrar(
+                py,
+                def.out,
+                &resolved,
+                def.attrs,
+                def.mutates,
+                (def.optional, def.lists),
+                h,
+            )?;
             kernels.getattr("_NATIVE_OPS")?.set_item(&capsule, register)?;
             kw.set_item("ffi", &capsule)?;
             Some(capsule)

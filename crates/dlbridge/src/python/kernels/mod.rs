@@ -13,5 +13,5 @@ pub use kernel::{KernelDef, add_kernel, xla_capsule};
 #[cfg(all(feature = "torch-stable", unix))]
 pub use native::install_torch_version_hooks;
 pub use results::{AttrValue, Attrs, ResultDType, ResultDef, ResultShape, ShapeFn};
-pub use typed::{HostSpec, TensorMut, TensorRef};
+pub use typed::{HostSpec, TensorList, TensorMut, TensorRef};
 pub use view::TensorView;

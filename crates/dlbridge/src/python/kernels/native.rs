@@ -41,6 +41,10 @@ pub(super) struct NativeDecl {
     pub(super) results: Vec<Resolved>,
     pub(super) attrs: Vec<(String, String)>,
     pub(super) mutates: Vec<String>,
+    /// Optional tensor parameters (`Tensor?`).
+    pub(super) optional: Vec<String>,
+    /// List-of-tensors parameters (`Tensor[]`).
+    pub(super) lists: Vec<String>,
     pub(super) handler: XLA_FFI_Handler,
 }
 
@@ -54,6 +58,8 @@ pub(super) enum ScalarDefault {
     Ints(Vec<i64>),
     Floats(Vec<f64>),
     Bools(Vec<bool>),
+    /// An optional tensor's `None`.
+    NoTensor,
 }
 
 /// A finite float as the schema writes it.
@@ -79,6 +85,7 @@ impl ScalarDefault {
             Self::Ints(v) => list(v.iter().map(|e| Some(e.to_string())).collect()),
             Self::Floats(v) => list(v.iter().map(|&e| float_text(e)).collect()),
             Self::Bools(v) => list(v.iter().map(|&e| Some(bool_text(e).to_owned())).collect()),
+            Self::NoTensor => Some("None".to_owned()),
         }
     }
 }
@@ -112,6 +119,8 @@ impl NativeDecl {
             let kind = match attrs.iter().find(|(n, _)| n == p) {
                 Some(&(_, t)) => t.arg_kind(),
                 None if self.mutates.contains(p) => ArgKind::TensorMut,
+                None if self.optional.contains(p) => ArgKind::OptTensor,
+                None if self.lists.contains(p) => ArgKind::TensorList,
                 None => ArgKind::Tensor,
             };
             args.push((p.as_str(), kind));
@@ -265,13 +274,17 @@ pub(super) fn registrar<'py>(
     results: &[Resolved],
     attrs: &[(&str, &str)],
     mutates: &[&str],
+    tensors: (&[&str], &[&str]),
     handler: XLA_FFI_Handler,
 ) -> PyResult<Bound<'py, PyCFunction>> {
+    let owned = |v: &[&str]| v.iter().map(|&m| m.to_owned()).collect();
     let decl = NativeDecl {
         out: out.map(str::to_owned),
         results: results.to_vec(),
         attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
-        mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
+        mutates: owned(mutates),
+        optional: owned(tensors.0),
+        lists: owned(tensors.1),
         handler,
     };
     let call = move |args: &Bound<'_, PyTuple>,
@@ -283,6 +296,10 @@ pub(super) fn registrar<'py>(
         let mut ds = Vec::with_capacity(defaults.len());
         for (n, v) in defaults.iter() {
             let n: String = n.extract()?;
+            if decl.optional.contains(&n) && v.is_none() {
+                ds.push((n, ScalarDefault::NoTensor));
+                continue;
+            }
             let Some(t) =
                 decl.attrs.iter().find(|(a, _)| *a == n).and_then(|(_, t)| AttrType::from_numpy_name(t))
             else {
@@ -326,6 +343,8 @@ mod tests {
             results: Vec::new(),
             attrs: attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect(),
             mutates: mutates.iter().map(|&m| m.to_owned()).collect(),
+            optional: Vec::new(),
+            lists: Vec::new(),
             handler: nothing,
         }
     }
@@ -401,6 +420,22 @@ mod tests {
                 ("m", AttrType::Bools)
             ]
         );
+    }
+
+    #[test]
+    fn optional_and_list_parameters_are_tensor_and_tensor_list_arguments() {
+        let mut d = decl(Some("x"), &[("eps", "float64")], &[]);
+        d.optional = vec!["bias".into()];
+        d.lists = vec!["xs".into()];
+        let defaults = [("bias".to_owned(), ScalarDefault::NoTensor)];
+        let op = d.op("k", &params(&["x", "xs", "bias", "eps"]), &defaults).unwrap();
+        assert_eq!(
+            op.signature.schema().unwrap(),
+            "k(Tensor x, Tensor[] xs, Tensor? bias=None, float eps) -> Tensor"
+        );
+        // A default of None for a tensor that is not optional is refused.
+        let e = d.op("k", &params(&["x", "xs", "bias", "eps"]), &[("x".to_owned(), ScalarDefault::NoTensor)]);
+        assert!(e.unwrap_err().to_string().contains("default x=\"None\""));
     }
 
     #[test]

@@ -373,3 +373,120 @@ impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: HostSpec> TensorMut<'a, T, S
         self.view.tensor_mut().as_array_mut::<T>()
     }
 }
+
+/// A list-of-tensors argument (a kernel's `Tensor[]` parameter): a Python `list` or `tuple` whose
+/// every item is checked as a [`TensorRef`] of the same requirements at conversion (a mismatch
+/// names the item: `item 2: expected float32 ...`, after PyO3's `argument 'xs':`).
+///
+/// The items are held for the call: a list is copied into a tuple first (its items' references
+/// taken), so Python code run while the kernel runs cannot free an item by changing the list.
+/// Items are reached by reference ([`get`](Self::get), [`iter`](Self::iter), `for x in &xs`),
+/// each borrowed no longer than the list (no `Index`: its output could not say so):
+///
+/// ```compile_fail,E0505
+/// use dlbridge::python::TensorList;
+/// use pyo3::prelude::*;
+/// fn first<'a, 'py>(py: Python<'py>, xs: TensorList<'a, f32>) -> Borrowed<'a, 'py, PyAny> {
+///     let o = xs.get(0).unwrap().object(py);
+///     drop(xs); // E0505: the item is borrowed from the list, which holds its object
+///     o
+/// }
+/// ```
+///
+/// ```no_run
+/// use dlbridge::python::TensorList;
+/// use dlbridge::spec::{C, Rank};
+/// use pyo3::prelude::*;
+///
+/// /// The sum of every element of float32 vectors.
+/// #[pyfunction]
+/// fn total(xs: TensorList<'_, f32, Rank<1>, C>) -> PyResult<f32> {
+///     let mut t = 0.0;
+///     for x in &xs {
+///         t += x.as_slice()?.iter().sum::<f32>();
+///     }
+///     Ok(t)
+/// }
+/// ```
+pub struct TensorList<'a, T, S = AnyShape, O = AnyOrder, D = Cpu> {
+    /// The items' views: declared first, so dropped before the tuple that keeps their objects.
+    items: Vec<TensorRef<'a, T, S, O, D>>,
+    /// The items' objects, held (a strong reference to a tuple of them).
+    _held: Py<pyo3::types::PyTuple>,
+}
+
+impl<'a, T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> TensorList<'a, T, S, O, D> {
+    /// The number of items.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether the list is empty.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Item `i`, borrowed for as long as the list.
+    pub fn get(&self, i: usize) -> Option<&TensorRef<'_, T, S, O, D>> {
+        self.items.get(i).map(Self::shorten)
+    }
+
+    /// The items in order, each borrowed for as long as the list.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &TensorRef<'_, T, S, O, D>> {
+        self.items.iter().map(Self::shorten)
+    }
+
+    /// An item's view borrowed no longer than the list: its object is held by the list, not for
+    /// `'a` (covariance shortens the lifetime).
+    fn shorten<'s>(item: &'s TensorRef<'a, T, S, O, D>) -> &'s TensorRef<'s, T, S, O, D> {
+        item
+    }
+}
+
+impl<'s, 'a, T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> IntoIterator
+    for &'s TensorList<'a, T, S, O, D>
+{
+    type Item = &'s TensorRef<'s, T, S, O, D>;
+    type IntoIter = std::iter::Map<
+        std::slice::Iter<'s, TensorRef<'a, T, S, O, D>>,
+        fn(&'s TensorRef<'a, T, S, O, D>) -> &'s TensorRef<'s, T, S, O, D>,
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.items.iter().map(TensorList::<'a, T, S, O, D>::shorten)
+    }
+}
+
+impl<'a, 'py, T: Element, S: ShapeSpec, O: OrderSpec, D: DeviceSpec> FromPyObject<'a, 'py>
+    for TensorList<'a, T, S, O, D>
+{
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        use pyo3::types::{PyList, PyTuple};
+        let py = obj.py();
+        let held: Bound<'py, PyTuple> = if let Ok(t) = obj.cast::<PyTuple>() {
+            t.to_owned()
+        } else if let Ok(l) = obj.cast::<PyList>() {
+            l.to_tuple()
+        } else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "expected a list or tuple of tensors, got {}",
+                obj.get_type().name()?
+            )));
+        };
+        let spec = &SpecOf::<T, S, O, D>::READ;
+        let mut items = Vec::with_capacity(held.len());
+        for (i, item) in held.iter().enumerate() {
+            // SAFETY: `item` is held by `held`, a tuple (immutable) kept in the result after the
+            // views, which are dropped first; no view is handed out for longer than the list
+            // (`shorten`).
+            let view = unsafe { TensorView::borrow_checked(&item, spec) }.map_err(|e| {
+                let message = format!("item {i}: {}", e.value(py));
+                PyErr::from_type(e.get_type(py), message)
+            })?;
+            items.push(TensorRef { view, _spec: PhantomData });
+        }
+        Ok(Self { items, _held: held.unbind() })
+    }
+}
