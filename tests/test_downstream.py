@@ -94,6 +94,9 @@ def test_the_copied_example_and_the_guide_build_outside_the_workspace(tmp_path):
     (crate / "src/rms_norm.rs").write_text(
         "\n".join(re.findall(r'```rust title="src/rms_norm.rs"\n(.*?)```', guide, re.S))
     )
+    (crate / "src/reduce.rs").write_text(
+        "\n".join(re.findall(r'```rust title="src/reduce.rs"\n(.*?)```', guide, re.S))
+    )
     (crate / "src/context.rs").write_text(
         "\n".join(re.findall(r'```rust title="src/context.rs"\n(.*?)```', guide, re.S))
     )

@@ -31,3 +31,11 @@ def test_the_context_blocks_are_the_whole_file_in_order():
     blocks = re.findall(r'```rust title="src/context.rs"\n(.*?)```', GUIDE, re.S)
     assert len(blocks) == 3
     assert lines("\n".join(blocks)) == lines((ROOT / "examples/kernels/src/context.rs").read_text())
+
+
+def test_the_reduce_block_is_the_whole_file():
+    """The guide's lib.rs declares `mod reduce;`: the file is shown whole (a folded block), so the
+    crate the guide describes builds from the guide alone (test_downstream builds it)."""
+    blocks = re.findall(r'```rust title="src/reduce.rs"\n(.*?)```', GUIDE, re.S)
+    assert len(blocks) == 1
+    assert lines(blocks[0]) == lines((ROOT / "examples/kernels/src/reduce.rs").read_text())
