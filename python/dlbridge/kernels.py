@@ -1156,17 +1156,21 @@ class Kernel:
             fake = fake_several
         elif functional:
             rule = out.rule
+            n_params = len(self._params)
             if rule is not None:
                 tensor_idx = self._tensor_idx
 
-                def fake(*vals: Any) -> Any:
-                    shape, dtype = rule(*[vals[i] for i in tensor_idx])
-                    return vals[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
+                def fake(*vals: Any, **kw: Any) -> Any:
+                    # torch may pass arguments after a defaulted one (Tensor? bias=None) by keyword.
+                    bound = self._bind(vals, kw) if kw or len(vals) < n_params else vals
+                    shape, dtype = rule(*[bound[i] for i in tensor_idx])
+                    return bound[tensor_idx[0]].new_empty(tuple(shape), dtype=getattr(torch, str(dtype)))
             else:
                 like: Any = out.like
 
-                def fake(*vals: Any) -> Any:
-                    x = vals[like]
+                def fake(*vals: Any, **kw: Any) -> Any:
+                    bound = self._bind(vals, kw) if kw or len(vals) < n_params else vals
+                    x = bound[like]
                     return x.new_empty(x.shape)
         else:
 

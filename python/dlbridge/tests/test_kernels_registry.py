@@ -324,3 +324,25 @@ def test_optional_and_list_declarations_are_checked():
         fresh(f, optional=["bias"], out="bias")
     with pytest.raises(ValueError, match="results= with optional= or lists="):
         fresh(f, lists=["xs"], results=["a"], result_rule=lambda *a: [])
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_an_optional_tensor_with_a_default_before_attributes_compiles():
+    """`Tensor? bias=None` followed by attributes: torch passes the arguments after a defaulted one
+    by keyword to the fake kernel, which bound them by position only (IndexError under
+    torch.compile, and in opcheck's fake tensor check)."""
+    import torch
+
+    def summed(x, bias=None, axes=(0,), mode="sum"):
+        r = x.sum(dim=tuple(axes)) if mode == "sum" else x.mean(dim=tuple(axes))
+        return r if bias is None else r + bias
+
+    k = fresh(summed, out=lambda x, bias: (x.shape[1:], str(x.dtype).replace("torch.", "")),
+              attrs={"axes": "int64[]", "mode": "str"}, optional=["bias"])
+    x = torch.arange(12.0).reshape(3, 4)
+    f = torch.compile(lambda a, b: k(a, b, [0], "mean"), fullgraph=True)
+    torch.testing.assert_close(f(x, None), x.mean(0))
+    torch.testing.assert_close(f(x, torch.ones(4)), x.mean(0) + 1)
+    for args in [(x, None, [0], "sum"), (x, torch.ones(4), [0], "mean")]:
+        result = torch.library.opcheck(k._overload, args)
+        assert set(result.values()) == {"SUCCESS"}, result
