@@ -94,7 +94,7 @@ import math
 import numbers
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 __all__ = ["Kernel", "kernel"]
@@ -116,6 +116,11 @@ _ATTR_SCHEMA = {
 }
 _SCALAR_ATTRS = frozenset({"float32", "float64", "int32", "int64", "bool"})
 _INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _attr_refusal(kernel: str, name: str, declared: str, value: Any, why: str = "") -> TypeError:
@@ -126,9 +131,8 @@ def _attr_refusal(kernel: str, name: str, declared: str, value: Any, why: str = 
     if hint is None:
         hint = "pass a list of ints, e.g. [0, 1]" if declared.startswith("int") else "pass a list of numbers, e.g. [0.5, 1.0]"
     tp = type(value).__name__
-    article = "an" if tp[:1] in "aeiou" else "a"
     return TypeError(
-        f"{kernel}: attribute {name!r} is declared {declared!r}, but the call passed {article} "
+        f"{kernel}: attribute {name!r} is declared {declared!r}, but the call passed {_article(tp)} "
         f"{tp} ({value!r}){why}: {hint}"
     )
 
@@ -139,10 +143,14 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
     type (a list for a str, a float or a bool in an int array, a str for an array) is refused,
     naming the attribute, its declared type and the value; never converted silently."""
     if declared == "str":
-        if isinstance(value, str):
-            return value
-        raise _attr_refusal(kernel, name, declared, value)
-    if isinstance(value, (str, bytes, Mapping)) or getattr(value, "ndim", 1) != 1:
+        if not isinstance(value, str):
+            raise _attr_refusal(kernel, name, declared, value)
+        # (A lone surrogate: XLA's and torch's strings are UTF-8, which cannot hold one.)
+        if not value.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+            raise _attr_refusal(kernel, name, declared, value, " (not UTF-8 encodable: a lone surrogate)")
+        return value
+    # (A set has no order: refused as torch's list schema refuses it.)
+    if isinstance(value, (str, bytes, Mapping, Set)) or getattr(value, "ndim", 1) != 1:
         raise _attr_refusal(kernel, name, declared, value, " (an array attribute is one sequence of values)")
     try:
         items = list(value)
@@ -157,14 +165,21 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
         elif declared in ("int64[]", "int32[]"):
             ok = isinstance(e, numbers.Integral) and not bool_like
             v = int(e) if ok else None
-            if ok and declared == "int32[]" and not _INT32[0] <= v <= _INT32[1]:  # type: ignore[operator]
-                raise _attr_refusal(kernel, name, declared, value, f" (element {i}, {v}, does not fit an int32)")
+            lo, hi = _INT32 if declared == "int32[]" else _INT64
+            if ok and not lo <= v <= hi:  # type: ignore[operator]
+                raise _attr_refusal(
+                    kernel, name, declared, value, f" (element {i}, {v}, does not fit an {declared[:-2]})"
+                )
         else:
             ok = isinstance(e, numbers.Real) and not bool_like
-            v = float(e) if ok else None
+            try:
+                v = float(e) if ok else None
+            except OverflowError:  # an int past float64's range
+                raise _attr_refusal(kernel, name, declared, value, f" (element {i} does not fit a float64)") from None
         if not ok:
+            tp = type(e).__name__
             raise _attr_refusal(
-                kernel, name, declared, value, f" (element {i} is a {type(e).__name__}, {e!r})"
+                kernel, name, declared, value, f" (element {i} is {_article(tp)} {tp}, {e!r})"
             )
         out.append(v)
     return tuple(out)
