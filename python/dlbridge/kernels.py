@@ -356,6 +356,9 @@ class Kernel:
         # The str and array attributes: checked (and arrays made tuples) at every call, in every
         # mode; a kernel with scalar attributes only pays nothing for them.
         self._checked_idx = tuple(i for i in self._attr_idx if attrs[self._params[i]] not in _SCALAR_ATTRS)
+        # The array attributes, which torch's op hands its implementation and autograd as lists:
+        # made tuples there, as every other mode passes them.
+        self._array_idx = frozenset(i for i in self._checked_idx if attrs[self._params[i]] != "str")
         for n in mutates:
             if n not in self._index or n in attrs:
                 raise ValueError(f"kernel {self.__name__}: mutates names {n!r}, not a tensor parameter")
@@ -762,6 +765,12 @@ class Kernel:
             vals[i] = _attr_value(self.__name__, n, self._attrs[n], vals[i])
         return vals
 
+    def _attr_dict(self, inputs: Sequence[Any]) -> dict[str, Any]:
+        """The attributes among the op's ``inputs`` by name, each array a tuple (torch's op passes
+        a list): what a backward and a jvp read."""
+        arrays = self._array_idx
+        return {self._params[i]: tuple(inputs[i]) if i in arrays else inputs[i] for i in self._attr_idx}
+
     def _refuse_numbers_for_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """A Python number passed for a tensor parameter: the op's schema takes a tensor there,
         since the parameter is not named in ``attrs``; say so, and what to declare (torch would
@@ -925,6 +934,14 @@ class Kernel:
 
     def _make_torch_op(self, torch: Any) -> None:
         fn = self._fn
+        if self._array_idx:
+            # torch hands the implementation each array attribute as a list: a tuple, as in
+            # every other mode.
+            raw, arrays = fn, self._array_idx
+
+            def fn(*vals: Any) -> Any:
+                return raw(*[tuple(v) if i in arrays else v for i, v in enumerate(vals)])
+
         letters = iter("abcdefghijklmnopqrstuvwxyz")
         parts = []
         for i, n in enumerate(self._params):
@@ -1117,14 +1134,14 @@ class Kernel:
             def backward(ctx: Any, *grads: Any) -> Any:
                 raise RuntimeError(self._no_backward_message())
 
-        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        params, tensor_idx = self._params, self._tensor_idx
         setup_backward = setup_context
         if self._jvp is not None:
 
             def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
                 setup_backward(ctx, inputs, output)
                 ctx.save_for_forward(*[inputs[i] for i in tensor_idx], output)
-                ctx.dlbridge_jvp_attrs = {params[i]: inputs[i] for i in attr_idx}
+                ctx.dlbridge_jvp_attrs = self._attr_dict(inputs)
 
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 saved = ctx.saved_tensors
@@ -1154,13 +1171,13 @@ class Kernel:
 
     def _autograd_rules(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The ``setup_context`` and ``backward`` of a kernel that names a backward."""
-        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        params, tensor_idx = self._params, self._tensor_idx
         if self._results:
             return self._autograd_rules_several(torch)
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], output)
-            ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
+            ctx.dlbridge_attrs = self._attr_dict(inputs)
 
         def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
             saved = ctx.saved_tensors
@@ -1180,14 +1197,14 @@ class Kernel:
     def _autograd_rules_several(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``setup_context`` and ``backward`` of a kernel with several results: every result (the
         residuals too) is saved; residuals are non-differentiable outputs."""
-        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        params, tensor_idx = self._params, self._tensor_idx
         n_in = len(tensor_idx)
         residual_idx = [i for i in range(len(self._results)) if i not in self._visible]
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             output = self._all_results(output)  # (one result: the op returns it alone)
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
-            ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
+            ctx.dlbridge_attrs = self._attr_dict(inputs)
             if residual_idx:
                 ctx.mark_non_differentiable(*[output[i] for i in residual_idx])
 

@@ -374,3 +374,41 @@ def test_a_set_for_an_array_is_refused(torch):
     order."""
     message = r"attribute 'axes' is declared 'int64\[\]', but the call passed a set"
     _refused_in_every_mode({"axes": {0, 2}}, message, torch)
+
+
+def test_an_array_reaches_the_function_and_backward_as_a_tuple_in_every_mode(torch):
+    """The kernel documents arrays as tuples of Python numbers for the function, its backward
+    and jvp. Before: through the torch op (a tensor requiring grad, torch.compile, torch.func)
+    torch handed the function and the backward a list, so `axes + (-1,)` raised TypeError."""
+    seen = []
+
+    def f(x, axes, mode):
+        seen.append(("fn", type(axes)))
+        assert (axes + (-1,))[-1] == -1  # tuple concatenation: a list refuses it
+        return x * len(axes)
+
+    def bw(n):
+        seen.append(("bw", type(n["axes"])))
+        return {"x": n["grad"] * len(n["axes"])}
+
+    def jvp(n):
+        seen.append(("jvp", type(n["axes"])))
+        return n["tangent_x"] * len(n["axes"])
+
+    k = dlbridge.kernels.kernel(
+        f, name="tuples", namespace="dlbridge_attrs_test", attrs={"axes": "int64[]", "mode": "str"},
+        out="x", backward=bw, jvp=jvp,
+    )
+    x = torch.ones(3, dtype=torch.float64)
+    k(x, [0, 1], "m")
+    xg = x.clone().requires_grad_()
+    k(xg, [0, 1], "m").sum().backward()
+    torch.testing.assert_close(xg.grad, torch.full_like(x, 2.0))
+    torch._dynamo.reset()
+    torch.compile(lambda a: k(a, [0, 1], "m"), fullgraph=True)(x)
+    torch.func.grad(lambda a: k(a, [0, 1], "m").sum())(x)
+    torch.func.jvp(lambda a: k(a, [0, 1], "m"), (x,), (x,))
+    torch.func.vmap(lambda a: k(a, [0, 1], "m"))(torch.ones(2, 3, dtype=torch.float64))
+    kinds = {who for who, _ in seen}
+    assert kinds == {"fn", "bw", "jvp"}, seen
+    assert all(t is tuple for _, t in seen), seen
