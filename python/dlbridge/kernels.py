@@ -468,7 +468,7 @@ class Kernel:
         if self._checked_idx:
             # str and array attributes checked at every call, in every mode (a class of its own,
             # so a kernel without them reads nothing more per call, nor guards on it compiled).
-            self.__class__ = _CHECKED_CLASSES[self.__class__]
+            self.__class__ = _checked_class(self.__class__)
 
     def _declare_jvp(self, jvp: Any) -> Any:
         """The forward-mode rule, checked: ``(kernel, args)`` (``args`` names among the tensor
@@ -1475,6 +1475,25 @@ class _CheckedSeveralResults(_SeveralResults):
 
 
 _CHECKED_CLASSES: dict[type, type] = {Kernel: _CheckedAttrs, _SeveralResults: _CheckedSeveralResults}
+
+
+def _checked_class(cls: type) -> type:
+    """The class that checks str and array attributes before ``cls``'s own call: one of the two
+    above, or, for a subclass of ``Kernel`` of the caller's, a subclass of it made once."""
+    checked = _CHECKED_CLASSES.get(cls)
+    if checked is None:
+        call = cls.__call__
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._compiling():
+                return call(self, *self._check_compiled_attrs(args, kwargs))
+            return call(self, *self._check_attrs(self._bind(args, kwargs)))
+
+        checked = type(cls.__name__, (cls,), {"__call__": __call__, "__doc__": cls.__doc__})
+        checked.__module__ = cls.__module__
+        checked.__qualname__ = cls.__qualname__
+        _CHECKED_CLASSES[cls] = checked
+    return checked
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

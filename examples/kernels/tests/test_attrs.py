@@ -412,3 +412,25 @@ def test_an_array_reaches_the_function_and_backward_as_a_tuple_in_every_mode(tor
     kinds = {who for who, _ in seen}
     assert kinds == {"fn", "bw", "jvp"}, seen
     assert all(t is tuple for _, t in seen), seen
+
+
+def test_a_subclass_of_kernel_with_str_and_array_attributes():
+    """Before: KeyError (the checking class was looked up for Kernel and its several-results
+    class only), so a subclass of the public Kernel with a str or array attribute could not be
+    made. Now its attributes are checked and it stays an instance of the subclass."""
+
+    class Logged(dlbridge.kernels.Kernel):
+        def describe(self):
+            return f"logged {self.__name__}"
+
+    def f(x, mode, w):
+        assert type(w) is tuple
+        return x * len(w) if mode == "n" else x
+
+    k = Logged(f, attrs={"mode": "str", "w": "float64[]"}, out="x")
+    assert isinstance(k, Logged) and k.describe() == "logged f"
+    np.testing.assert_allclose(k(np.ones(2), "n", [1.0, 2.0]), [2.0, 2.0])
+    with pytest.raises(TypeError, match=r"attribute 'w' is declared 'float64\[\]'.*element 0 is a str"):
+        k(np.ones(2), "n", ["a"])
+    with pytest.raises(TypeError, match=r"attribute 'mode' is declared 'str', but the call passed a list"):
+        k(np.ones(2), ["n"], [1.0])
