@@ -157,30 +157,34 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
     except TypeError:
         raise _attr_refusal(kernel, name, declared, value) from None
     out: list[Any] = []
+    ints = declared in ("int64[]", "int32[]")
+    floats = declared in ("float64[]", "float32[]")
+    lo, hi = _INT32 if declared == "int32[]" else _INT64
     for i, e in enumerate(items):
-        bool_like = type(e).__name__ in ("bool", "bool_")
-        if declared == "bool[]":
-            ok = bool_like
-            v = bool(e) if ok else None
-        elif declared in ("int64[]", "int32[]"):
-            ok = isinstance(e, numbers.Integral) and not bool_like
-            v = int(e) if ok else None
-            lo, hi = _INT32 if declared == "int32[]" else _INT64
-            if ok and not lo <= v <= hi:  # type: ignore[operator]
-                raise _attr_refusal(
-                    kernel, name, declared, value, f" (element {i}, {v}, does not fit an {declared[:-2]})"
-                )
+        tp = type(e)
+        # A Python int, float or bool where it belongs needs no ABC check (the usual element).
+        if (tp is int and ints) or (tp is float and floats) or (tp is bool and not ints and not floats):
+            ok, v = True, e
         else:
-            ok = isinstance(e, numbers.Real) and not bool_like
-            try:
-                v = float(e) if ok else None
-            except OverflowError:  # an int past float64's range
-                raise _attr_refusal(kernel, name, declared, value, f" (element {i} does not fit a float64)") from None
-        if not ok:
-            tp = type(e).__name__
-            raise _attr_refusal(
-                kernel, name, declared, value, f" (element {i} is {_article(tp)} {tp}, {e!r})"
-            )
+            bool_like = tp.__name__ in ("bool", "bool_")
+            if not ints and not floats:
+                ok = bool_like
+                v = bool(e) if ok else None
+            elif ints:
+                ok = isinstance(e, numbers.Integral) and not bool_like
+                v = int(e) if ok else None
+            else:
+                ok = isinstance(e, numbers.Real) and not bool_like
+                try:
+                    v = float(e) if ok else None
+                except OverflowError:  # an int past float64's range
+                    raise _attr_refusal(kernel, name, declared, value, f" (element {i} does not fit a float64)") from None
+            if not ok:
+                raise _attr_refusal(
+                    kernel, name, declared, value, f" (element {i} is {_article(tp.__name__)} {tp.__name__}, {e!r})"
+                )
+        if ints and not lo <= v <= hi:  # type: ignore[operator]
+            raise _attr_refusal(kernel, name, declared, value, f" (element {i}, {v}, does not fit an {declared[:-2]})")
         out.append(v)
     return tuple(out)
 
