@@ -103,7 +103,7 @@ import math
 import numbers
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 __all__ = ["Kernel", "kernel"]
@@ -125,6 +125,11 @@ _ATTR_SCHEMA = {
 }
 _SCALAR_ATTRS = frozenset({"float32", "float64", "int32", "int64", "bool"})
 _INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _attr_refusal(kernel: str, name: str, declared: str, value: Any, why: str = "") -> TypeError:
@@ -135,9 +140,8 @@ def _attr_refusal(kernel: str, name: str, declared: str, value: Any, why: str = 
     if hint is None:
         hint = "pass a list of ints, e.g. [0, 1]" if declared.startswith("int") else "pass a list of numbers, e.g. [0.5, 1.0]"
     tp = type(value).__name__
-    article = "an" if tp[:1] in "aeiou" else "a"
     return TypeError(
-        f"{kernel}: attribute {name!r} is declared {declared!r}, but the call passed {article} "
+        f"{kernel}: attribute {name!r} is declared {declared!r}, but the call passed {_article(tp)} "
         f"{tp} ({value!r}){why}: {hint}"
     )
 
@@ -148,33 +152,48 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
     type (a list for a str, a float or a bool in an int array, a str for an array) is refused,
     naming the attribute, its declared type and the value; never converted silently."""
     if declared == "str":
-        if isinstance(value, str):
-            return value
-        raise _attr_refusal(kernel, name, declared, value)
-    if isinstance(value, (str, bytes, Mapping)) or getattr(value, "ndim", 1) != 1:
+        if not isinstance(value, str):
+            raise _attr_refusal(kernel, name, declared, value)
+        # (A lone surrogate: XLA's and torch's strings are UTF-8, which cannot hold one.)
+        if not value.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+            raise _attr_refusal(kernel, name, declared, value, " (not UTF-8 encodable: a lone surrogate)")
+        return value
+    # (A set has no order: refused as torch's list schema refuses it.)
+    if isinstance(value, (str, bytes, Mapping, Set)) or getattr(value, "ndim", 1) != 1:
         raise _attr_refusal(kernel, name, declared, value, " (an array attribute is one sequence of values)")
     try:
         items = list(value)
     except TypeError:
         raise _attr_refusal(kernel, name, declared, value) from None
     out: list[Any] = []
+    ints = declared in ("int64[]", "int32[]")
+    floats = declared in ("float64[]", "float32[]")
+    lo, hi = _INT32 if declared == "int32[]" else _INT64
     for i, e in enumerate(items):
-        bool_like = type(e).__name__ in ("bool", "bool_")
-        if declared == "bool[]":
-            ok = bool_like
-            v = bool(e) if ok else None
-        elif declared in ("int64[]", "int32[]"):
-            ok = isinstance(e, numbers.Integral) and not bool_like
-            v = int(e) if ok else None
-            if ok and declared == "int32[]" and not _INT32[0] <= v <= _INT32[1]:  # type: ignore[operator]
-                raise _attr_refusal(kernel, name, declared, value, f" (element {i}, {v}, does not fit an int32)")
+        tp = type(e)
+        # A Python int, float or bool where it belongs needs no ABC check (the usual element).
+        if (tp is int and ints) or (tp is float and floats) or (tp is bool and not ints and not floats):
+            ok, v = True, e
         else:
-            ok = isinstance(e, numbers.Real) and not bool_like
-            v = float(e) if ok else None
-        if not ok:
-            raise _attr_refusal(
-                kernel, name, declared, value, f" (element {i} is a {type(e).__name__}, {e!r})"
-            )
+            bool_like = tp.__name__ in ("bool", "bool_")
+            if not ints and not floats:
+                ok = bool_like
+                v = bool(e) if ok else None
+            elif ints:
+                ok = isinstance(e, numbers.Integral) and not bool_like
+                v = int(e) if ok else None
+            else:
+                ok = isinstance(e, numbers.Real) and not bool_like
+                try:
+                    v = float(e) if ok else None
+                except OverflowError:  # an int past float64's range
+                    raise _attr_refusal(kernel, name, declared, value, f" (element {i} does not fit a float64)") from None
+            if not ok:
+                raise _attr_refusal(
+                    kernel, name, declared, value, f" (element {i} is {_article(tp.__name__)} {tp.__name__}, {e!r})"
+                )
+        if ints and not lo <= v <= hi:  # type: ignore[operator]
+            raise _attr_refusal(kernel, name, declared, value, f" (element {i}, {v}, does not fit an {declared[:-2]})")
         out.append(v)
     return tuple(out)
 
@@ -358,6 +377,9 @@ class Kernel:
         # mode; a kernel with scalar attributes only pays nothing for them.
         self._checked_idx = tuple(i for i in self._attr_idx if attrs[self._params[i]] not in _SCALAR_ATTRS)
         self._declare_counted(attrs, mutates, optional, lists)
+        # The array attributes, which torch's op hands its implementation and autograd as lists:
+        # made tuples there, as every other mode passes them.
+        self._array_idx = frozenset(i for i in self._checked_idx if attrs[self._params[i]] != "str")
         for n in mutates:
             if n not in self._index or n in attrs:
                 raise ValueError(f"kernel {self.__name__}: mutates names {n!r}, not a tensor parameter")
@@ -473,7 +495,7 @@ class Kernel:
         if self._checked_idx:
             # str and array attributes checked at every call, in every mode (a class of its own,
             # so a kernel without them reads nothing more per call, nor guards on it compiled).
-            self.__class__ = _CHECKED_CLASSES[self.__class__]
+            self.__class__ = _checked_class(self.__class__)
 
     def _declare_counted(
         self, attrs: Mapping[str, str], mutates: Sequence[str], optional: Sequence[str], lists: Sequence[str]
@@ -924,6 +946,12 @@ class Kernel:
             if k == 0 and i < len(vals) and vals[i] is None:
                 self._refuse_none(self._params[i])
 
+    def _attr_dict(self, inputs: Sequence[Any]) -> dict[str, Any]:
+        """The attributes among the op's ``inputs`` by name, each array a tuple (torch's op passes
+        a list): what a backward and a jvp read."""
+        arrays = self._array_idx
+        return {self._params[i]: tuple(inputs[i]) if i in arrays else inputs[i] for i in self._attr_idx}
+
     def _refuse_numbers_for_tensors(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """A Python number passed for a tensor parameter: the op's schema takes a tensor there,
         since the parameter is not named in ``attrs``; say so, and what to declare (torch would
@@ -1096,6 +1124,14 @@ class Kernel:
 
     def _make_torch_op(self, torch: Any) -> None:
         fn = self._fn
+        if self._array_idx:
+            # torch hands the implementation each array attribute as a list: a tuple, as in
+            # every other mode.
+            raw, arrays = fn, self._array_idx
+
+            def fn(*vals: Any) -> Any:
+                return raw(*[tuple(v) if i in arrays else v for i, v in enumerate(vals)])
+
         letters = iter("abcdefghijklmnopqrstuvwxyz")
         parts = []
         for i, n in enumerate(self._params):
@@ -1302,14 +1338,14 @@ class Kernel:
             def backward(ctx: Any, *grads: Any) -> Any:
                 raise RuntimeError(self._no_backward_message())
 
-        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        params, tensor_idx = self._params, self._tensor_idx
         setup_backward = setup_context
         if self._jvp is not None:
 
             def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
                 setup_backward(ctx, inputs, output)
                 ctx.save_for_forward(*[inputs[i] for i in tensor_idx], output)
-                ctx.dlbridge_jvp_attrs = {params[i]: inputs[i] for i in attr_idx}
+                ctx.dlbridge_jvp_attrs = self._attr_dict(inputs)
 
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 saved = ctx.saved_tensors
@@ -1342,7 +1378,7 @@ class Kernel:
 
     def _autograd_rules(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The ``setup_context`` and ``backward`` of a kernel that names a backward."""
-        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        params, tensor_idx = self._params, self._tensor_idx
         if self._results:
             return self._autograd_rules_several(torch)
 
@@ -1351,7 +1387,7 @@ class Kernel:
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], output)
-            ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
+            ctx.dlbridge_attrs = self._attr_dict(inputs)
 
         def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
             saved = ctx.saved_tensors
@@ -1420,14 +1456,14 @@ class Kernel:
     def _autograd_rules_several(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``setup_context`` and ``backward`` of a kernel with several results: every result (the
         residuals too) is saved; residuals are non-differentiable outputs."""
-        params, tensor_idx, attr_idx = self._params, self._tensor_idx, self._attr_idx
+        params, tensor_idx = self._params, self._tensor_idx
         n_in = len(tensor_idx)
         residual_idx = [i for i in range(len(self._results)) if i not in self._visible]
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             output = self._all_results(output)  # (one result: the op returns it alone)
             ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
-            ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
+            ctx.dlbridge_attrs = self._attr_dict(inputs)
             if residual_idx:
                 ctx.mark_non_differentiable(*[output[i] for i in residual_idx])
 
@@ -1717,6 +1753,25 @@ class _CheckedSeveralResults(_SeveralResults):
 
 
 _CHECKED_CLASSES: dict[type, type] = {Kernel: _CheckedAttrs, _SeveralResults: _CheckedSeveralResults}
+
+
+def _checked_class(cls: type) -> type:
+    """The class that checks str and array attributes before ``cls``'s own call: one of the two
+    above, or, for a subclass of ``Kernel`` of the caller's, a subclass of it made once."""
+    checked = _CHECKED_CLASSES.get(cls)
+    if checked is None:
+        call = cls.__call__
+
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._compiling():
+                return call(self, *self._check_compiled_attrs(args, kwargs))
+            return call(self, *self._check_attrs(self._bind(args, kwargs)))
+
+        checked = type(cls.__name__, (cls,), {"__call__": __call__, "__doc__": cls.__doc__})
+        checked.__module__ = cls.__module__
+        checked.__qualname__ = cls.__qualname__
+        _CHECKED_CLASSES[cls] = checked
+    return checked
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

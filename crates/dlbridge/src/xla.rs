@@ -1199,7 +1199,7 @@ impl<'a> Call<'a> {
         Ok(AnyBuffer { name, dtype, data, shape, numel, device: self.device, writable: out })
     }
 
-    /// Scalar or string attribute `name`, decoded as `T` ([`FromAttr`]).
+    /// Attribute `name` (a scalar, a string or an array), decoded as `T` ([`FromAttr`]).
     pub fn attr<T: FromAttr<'a>>(&self, name: &str) -> Result<T> {
         for i in 0..self.attr_names.len() {
             if self.attr_name(i)? == name.as_bytes() {
@@ -1421,8 +1421,9 @@ impl<'a> RawAttr<'a> {
     fn scalar(self, want: XLA_FFI_DataType, rust: &str, bytes: usize) -> Result<&'a [u8]> {
         if self.kind != XLA_FFI_AttrType::SCALAR {
             return Err(FfiError::invalid_argument(format!(
-                "expected a {rust} scalar, got attribute kind {}",
-                self.kind.0
+                "expected a {rust} scalar, got attribute kind {} ({})",
+                self.kind.0,
+                attr_kind_name(self.kind)
             )));
         }
         let s = self.value.cast::<XLA_FFI_Scalar>();
@@ -1594,8 +1595,9 @@ impl<'a> FromAttr<'a> for &'a str {
     fn from_attr(attr: RawAttr<'a>) -> Result<Self> {
         if attr.kind != XLA_FFI_AttrType::STRING {
             return Err(FfiError::invalid_argument(format!(
-                "expected a string, got attribute kind {}",
-                attr.kind.0
+                "expected a string, got attribute kind {} ({})",
+                attr.kind.0,
+                attr_kind_name(attr.kind)
             )));
         }
         let s = attr.value.cast::<XLA_FFI_ByteSpan>();

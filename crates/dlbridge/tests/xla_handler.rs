@@ -632,7 +632,12 @@ fn hostile_array_attributes_are_refused_never_read() {
             scalar("flag", XLA_FFI_DataType::PRED, 1u8),
         ],
     );
-    invalid(g.call(attrs), &["attribute mode: expected a string, got attribute kind 1"]);
+    invalid(g.call(attrs), &["attribute mode: expected a string, got attribute kind 1 (an array)"]);
+    // An array read as a scalar: the kind named too.
+    g.attrs[1] = string("mode", "fast");
+    g.attrs[0] = array("eps", XLA_FFI_DataType::F64, &[0.5f64]);
+    g.link();
+    invalid(g.call(attrs), &["attribute eps: expected a f64 scalar, got attribute kind 1 (an array)"]);
     assert_eq!(out, [0.0; 6], "nothing was written by a refused call");
 }
 

@@ -291,7 +291,7 @@ def test_channel_affine_eager_and_jit():
         K.channel_affine(x, SCALE[:3], SHIFT, SKIP)
     with pytest.raises(Exception, match="one entry per channel"):
         jax.jit(lambda a: K.channel_affine(a, SCALE, SHIFT[:3], SKIP))(x)
-    with pytest.raises(TypeError, match=r"attribute 'skip' is declared 'bool\[\]'.*element 0 is a int"):
+    with pytest.raises(TypeError, match=r"attribute 'skip' is declared 'bool\[\]'.*element 0 is an int"):
         K.channel_affine(x, SCALE, SHIFT, [0, 1, 0, 0])
     with pytest.raises(TypeError, match=r"attribute 'shift' is declared 'int32\[\]'.*does not fit an int32"):
         jax.jit(lambda a: K.channel_affine(a, SCALE, [2**31, 0, 0, 0], SKIP))(x)
@@ -312,3 +312,125 @@ def test_channel_affine_native_op_compile_and_opcheck(torch):
     torch._dynamo.reset()
     c = torch.compile(lambda a: K.channel_affine(a, SCALE, SHIFT, SKIP) + 1, fullgraph=True)
     torch.testing.assert_close(c(x), torch.from_numpy(affine_reference(x.numpy())) + 1)
+
+
+# --- hostile values: each refused in the author's terms, in every mode ---
+
+
+def _refused_in_every_mode(kw, message, torch, compiled=True):
+    """`K.reduce(x, **kw)` refused with `message` (a TypeError naming the attribute) eagerly on
+    numpy and torch (through the op: x requires grad), under jax.jit and torch.compile."""
+    jax = pytest.importorskip("jax")
+    with pytest.raises(TypeError, match=message):
+        K.reduce(data(), **kw)
+    with pytest.raises(TypeError, match=message):
+        K.reduce(torch.from_numpy(data()), **kw)
+    with pytest.raises(TypeError, match=message):
+        K.reduce(torch.from_numpy(data()).requires_grad_(), **kw)
+    with pytest.raises(TypeError, match=message):
+        jax.jit(lambda x: K.reduce(x, **kw))(data())
+    if not compiled:
+        return
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as e:
+        torch.compile(lambda x: K.reduce(x, **kw), fullgraph=True)(torch.zeros(2, 3))
+    text = str(e.value).replace("\\'", "'")
+    assert re.search(message, text), text
+
+
+@pytest.mark.parametrize("big", [2**63, -(2**63) - 1, np.uint64(2**64 - 1)])
+def test_an_int64_array_element_out_of_range_is_refused_naming_it(torch, big):
+    """Before: eagerly an OverflowError "Python int too large to convert to C long" naming
+    nothing; under jit "passed a tuple ((9223372036854775808,))"; compiled, torch's schema error."""
+    message = rf"attribute 'axes' is declared 'int64\[\]'.*element 0, {int(big)}, does not fit an int64"
+    # (Compiled, dynamo makes a numpy scalar a tensor: numpy values are not checked there.)
+    _refused_in_every_mode({"axes": [big]}, message, torch, compiled=type(big) is int)
+
+
+def test_a_str_that_utf8_cannot_encode_is_refused_naming_it(torch):
+    """A lone surrogate: before, eagerly a UnicodeEncodeError naming nothing, under jit "passed a
+    str ('\\ud800')" without saying what is wrong with it."""
+    message = r"attribute 'mode' is declared 'str'.*not UTF-8 encodable"
+    _refused_in_every_mode({"axes": [0], "mode": "s\ud800"}, message, torch)
+
+
+def test_a_float_array_element_past_float64_is_refused_naming_it(torch):
+    """An int past float64's range: before, an OverflowError "int too large to convert to float"
+    naming nothing (eagerly), or torch's schema error."""
+    message = r"attribute 'coeffs' is declared 'float64\[\]'.*element 1 does not fit a float64"
+    jax = pytest.importorskip("jax")
+    for call in (
+        lambda: K.poly(data(), [1.0, 10**400]),
+        lambda: K.poly(torch.from_numpy(data()).requires_grad_(), [1.0, 10**400]),
+        lambda: jax.jit(lambda x: K.poly(x, [1.0, 10**400]))(data()),
+    ):
+        with pytest.raises(TypeError, match=message):
+            call()
+
+
+def test_a_set_for_an_array_is_refused(torch):
+    """A set has no order (poly's coefficients, channel_affine's channels are positional): torch's
+    list schema refuses one; so does the kernel, in every mode, instead of taking its iteration
+    order."""
+    message = r"attribute 'axes' is declared 'int64\[\]', but the call passed a set"
+    _refused_in_every_mode({"axes": {0, 2}}, message, torch)
+
+
+def test_an_array_reaches_the_function_and_backward_as_a_tuple_in_every_mode(torch):
+    """The kernel documents arrays as tuples of Python numbers for the function, its backward
+    and jvp. Before: through the torch op (a tensor requiring grad, torch.compile, torch.func)
+    torch handed the function and the backward a list, so `axes + (-1,)` raised TypeError."""
+    seen = []
+
+    def f(x, axes, mode):
+        seen.append(("fn", type(axes)))
+        assert (axes + (-1,))[-1] == -1  # tuple concatenation: a list refuses it
+        return x * len(axes)
+
+    def bw(n):
+        seen.append(("bw", type(n["axes"])))
+        return {"x": n["grad"] * len(n["axes"])}
+
+    def jvp(n):
+        seen.append(("jvp", type(n["axes"])))
+        return n["tangent_x"] * len(n["axes"])
+
+    k = dlbridge.kernels.kernel(
+        f, name="tuples", namespace="dlbridge_attrs_test", attrs={"axes": "int64[]", "mode": "str"},
+        out="x", backward=bw, jvp=jvp,
+    )
+    x = torch.ones(3, dtype=torch.float64)
+    k(x, [0, 1], "m")
+    xg = x.clone().requires_grad_()
+    k(xg, [0, 1], "m").sum().backward()
+    torch.testing.assert_close(xg.grad, torch.full_like(x, 2.0))
+    torch._dynamo.reset()
+    torch.compile(lambda a: k(a, [0, 1], "m"), fullgraph=True)(x)
+    torch.func.grad(lambda a: k(a, [0, 1], "m").sum())(x)
+    torch.func.jvp(lambda a: k(a, [0, 1], "m"), (x,), (x,))
+    torch.func.vmap(lambda a: k(a, [0, 1], "m"))(torch.ones(2, 3, dtype=torch.float64))
+    kinds = {who for who, _ in seen}
+    assert kinds == {"fn", "bw", "jvp"}, seen
+    assert all(t is tuple for _, t in seen), seen
+
+
+def test_a_subclass_of_kernel_with_str_and_array_attributes():
+    """Before: KeyError (the checking class was looked up for Kernel and its several-results
+    class only), so a subclass of the public Kernel with a str or array attribute could not be
+    made. Now its attributes are checked and it stays an instance of the subclass."""
+
+    class Logged(dlbridge.kernels.Kernel):
+        def describe(self):
+            return f"logged {self.__name__}"
+
+    def f(x, mode, w):
+        assert type(w) is tuple
+        return x * len(w) if mode == "n" else x
+
+    k = Logged(f, attrs={"mode": "str", "w": "float64[]"}, out="x")
+    assert isinstance(k, Logged) and k.describe() == "logged f"
+    np.testing.assert_allclose(k(np.ones(2), "n", [1.0, 2.0]), [2.0, 2.0])
+    with pytest.raises(TypeError, match=r"attribute 'w' is declared 'float64\[\]'.*element 0 is a str"):
+        k(np.ones(2), "n", ["a"])
+    with pytest.raises(TypeError, match=r"attribute 'mode' is declared 'str', but the call passed a list"):
+        k(np.ones(2), ["n"], [1.0])

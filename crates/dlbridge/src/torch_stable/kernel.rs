@@ -89,8 +89,8 @@ impl From<crate::xla::FfiError> for KernelError {
 
 /// A kernel's argument or result values: inline for the usual op (no allocation per call),
 /// on the heap past [`Slots::INLINE`].
-// Large by design: the inline variant is what spares the allocation (it lives on the stack of
-// one kernel call).
+// The inline variant is large on purpose: it lives in the boxed kernel's frame for one call
+// (never in a collection), and boxing it would be the allocation it exists to avoid.
 #[allow(clippy::large_enum_variant)]
 enum Slots {
     Inline { len: usize, items: [Option<Value>; Slots::INLINE] },
