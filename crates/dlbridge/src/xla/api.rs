@@ -195,3 +195,11 @@ pub(crate) fn panic_message(p: &(dyn Any + Send)) -> &str {
         .or_else(|| p.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("(no message)")
 }
+
+/// Drops a caught panic's payload without unwinding: a payload whose `Drop` panics in turn has
+/// that second payload leaked (never dropped), so nothing unwinds from here.
+pub(crate) fn drop_payload(p: Box<dyn Any + Send>) {
+    if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(p))) {
+        std::mem::forget(again);
+    }
+}

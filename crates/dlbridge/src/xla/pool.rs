@@ -15,7 +15,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::api::{Api, FfiError, Result, panic_message};
+use super::api::{Api, FfiError, Result, drop_payload, panic_message};
 use crate::xla_ffi::*;
 
 /// XLA's intra-op thread pool for the call, or the calling thread alone where XLA lends none
@@ -207,6 +207,10 @@ impl Job {
                     if slot.is_none() {
                         *slot = Some(panic_message(&*p).to_owned());
                     }
+                    drop(slot);
+                    // Never unwinds: a payload whose Drop panics would otherwise leave this
+                    // loop (and parallel_for, whose closure goes) while other items still run.
+                    drop_payload(p);
                 }
             }
             // The last item to finish wakes the loop; AcqRel chains every item's writes to it.
