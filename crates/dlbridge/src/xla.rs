@@ -353,7 +353,10 @@ fn refuse(api: Api<'_>, name: &str, fault: FrameFault) -> *mut XLA_FFI_Error {
         ),
         FrameFault::Body(e) => (e.code(), e.message().to_owned()),
         FrameFault::Panic(panic) => {
-            (XLA_FFI_Error_Code::INTERNAL, format!("panicked: {}", panic_message(&*panic)))
+            let message = format!("panicked: {}", panic_message(&*panic));
+            // Never unwinds into XLA (an abort): a payload whose Drop panics too.
+            api::drop_payload(panic);
+            (XLA_FFI_Error_Code::INTERNAL, message)
         }
     };
     api.error(code, &format!("{name}: {message}"))

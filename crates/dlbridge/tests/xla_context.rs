@@ -757,3 +757,75 @@ fn a_panic_payload_whose_drop_panics_never_ends_the_loop_before_its_items() {
     assert!(!BOMB_SAW_BODY_LEFT.load(Ordering::SeqCst), "the loop returned while an item ran");
     assert!(m.contains("pool_payload_bomb: a thread pool task panicked: (no message)"), "{m}");
 }
+
+/// A state whose `Drop` panics with a [`PayloadBomb`].
+struct DropBomb;
+
+impl Drop for DropBomb {
+    fn drop(&mut self) {
+        std::panic::panic_any(PayloadBomb);
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Its body panics with a [`PayloadBomb`]; its state's drop does too.
+    fn bomb_state(call, operands: 0, results: 1, state: DropBomb = DropBomb) {
+        let _ = call;
+        std::panic::panic_any(PayloadBomb)
+    }
+}
+
+/// What the child process checks: every panic with a bombing payload is an error of the call (or
+/// reported by the deleter), never an unwind into XLA (a process abort).
+fn bombing_payloads_are_errors() {
+    let api = api();
+    let c = ctx(1, Pool::Threads);
+    call(bomb_state, &api, &c, INSTANTIATE, &mut []).unwrap();
+    // The body's panic.
+    let (code, m) = call(bomb_state, &api, &c, EXECUTE, &mut [0]).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::INTERNAL);
+    assert!(m.contains("bomb_state: panicked: (no message)"), "{m}");
+    // A second state XLA refuses is dropped by the instantiate stage: its Drop's panic.
+    let (code, m) = call(bomb_state, &api, &c, INSTANTIATE, &mut []).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::INTERNAL);
+    assert!(m.contains("bomb_state: panicked"), "{m}");
+    // The deleter: reported, never unwound.
+    drop_executable(&c);
+}
+
+#[test]
+fn a_panic_payload_whose_drop_panics_is_an_error_never_an_abort() {
+    if cfg!(miri) {
+        // No process to spawn: the checks in this process (Miri checks nothing leaks).
+        bombing_payloads_are_errors();
+        return;
+    }
+    const CHILD: &str = "XLA_CONTEXT_BOMB_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        bombing_payloads_are_errors();
+        println!("CHILD OK");
+        return;
+    }
+    // In a child process: the old code aborted the process.
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["a_panic_payload_whose_drop_panics_is_an_error_never_an_abort", "--exact", "--nocapture"])
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > end {
+            child.kill().unwrap();
+            panic!("the child hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(status.success() && stdout.contains("CHILD OK"), "{status}\n{stdout}\n{stderr}");
+}
