@@ -1261,7 +1261,10 @@ class Kernel:
         rule), defined under ``opname`` through the registrar add_kernel left for its ffi capsule;
         None for the Python custom op: no registrar (no handler, or a kernel made from Python),
         or this torch cannot host it (why not: ``_native_fallback``)."""
-        register = _NATIVE_OPS.pop(self._ffi, None) if self._ffi is not None else None
+        # A stage bundle (a dict, jax's {"instantiate": ..., "execute": ...}) is no capsule and
+        # unhashable: no registrar is kept for it.
+        ffi = self._ffi
+        register = _NATIVE_OPS.pop(ffi, None) if ffi is not None and not isinstance(ffi, dict) else None
         if register is None:
             return None
         defaults = {

@@ -473,7 +473,10 @@ fn refuse(api: Api<'_>, name: &str, fault: FrameFault) -> *mut XLA_FFI_Error {
         ),
         FrameFault::Body(e) => (e.code(), e.message().to_owned()),
         FrameFault::Panic(panic) => {
-            (XLA_FFI_Error_Code::INTERNAL, format!("panicked: {}", panic_message(&*panic)))
+            let message = format!("panicked: {}", panic_message(&*panic));
+            // Never unwinds into XLA (an abort): a payload whose Drop panics too.
+            api::drop_payload(panic);
+            (XLA_FFI_Error_Code::INTERNAL, message)
         }
     };
     api.error(code, &format!("{name}: {message}"))
@@ -1296,6 +1299,20 @@ impl<'a> Call<'a> {
     /// returns. XLA's CPU runtime has no allocator for a handler (its
     /// `XLA_FFI_DeviceMemory_Allocate` serves GPU contexts only), so this is a Rust allocation,
     /// on the torch op path too. `RESOURCE_EXHAUSTED` when it cannot be made.
+    ///
+    /// The slice is the call's: kept past the call, it does not compile.
+    ///
+    /// ```compile_fail,E0521
+    /// use std::sync::Mutex;
+    /// static KEPT: Mutex<Vec<&'static mut [u8]>> = Mutex::new(Vec::new());
+    /// dlbridge::xla_handler! {
+    ///     fn h(call, operands: 0, results: 0) {
+    ///         let s = call.scratch::<u8>(4)?;
+    ///         KEPT.lock().unwrap().push(s); // E0521: borrowed data escapes the body
+    ///         Ok(())
+    ///     }
+    /// }
+    /// ```
     pub fn scratch<T: Copy + Default>(&self, n: usize) -> Result<&mut [T]> {
         self.scratch.alloc::<T>(n)
     }

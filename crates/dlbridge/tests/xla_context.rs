@@ -688,3 +688,144 @@ fn device_scratch_comes_from_xlas_allocator_and_goes_back_after_the_call() {
     let (code, _) = call(device_scratch, &short, &c, EXECUTE, &mut out).unwrap_err();
     assert_eq!(code, XLA_FFI_Error_Code::UNIMPLEMENTED);
 }
+
+// --- a panic whose payload panics when dropped ---
+
+/// A panic payload whose `Drop` panics in turn.
+struct PayloadBomb;
+
+impl Drop for PayloadBomb {
+    fn drop(&mut self) {
+        panic!("the payload's drop panicked");
+    }
+}
+
+/// Items started so far, and whether the body of `pool_payload_bomb` has left (returned or
+/// unwound) — what the second item, still running on a pool thread, must never see.
+static BOMB_STARTED: AtomicUsize = AtomicUsize::new(0);
+static BOMB_BODY_LEFT: AtomicBool = AtomicBool::new(false);
+static BOMB_SAW_BODY_LEFT: AtomicBool = AtomicBool::new(false);
+
+/// Sets [`BOMB_BODY_LEFT`] when the body leaves, by return or by unwinding.
+struct BodyLeft;
+
+impl Drop for BodyLeft {
+    fn drop(&mut self) {
+        BOMB_BODY_LEFT.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Polls `cond` for up to `ms` milliseconds.
+fn wait_for(ms: u64, cond: impl Fn() -> bool) -> bool {
+    let end = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+    while std::time::Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    cond()
+}
+
+dlbridge::xla_handler! {
+    /// A loop of two items: the first panics with a [`PayloadBomb`] once the second runs; the
+    /// second, on a pool thread, waits a while and records whether the body had left meanwhile.
+    fn pool_payload_bomb(call, operands: 0, results: 1) {
+        let _left = BodyLeft;
+        let borrowed = Box::new([7u8; 4]); // on the heap: freed when the body leaves
+        call.thread_pool().parallel_for(2, |_| {
+            if BOMB_STARTED.fetch_add(1, Ordering::SeqCst) == 0 {
+                wait_for(2000, || BOMB_STARTED.load(Ordering::SeqCst) >= 2);
+                std::panic::panic_any(PayloadBomb);
+            }
+            // The loop must still wait for this item: its closure and what it borrows are alive.
+            wait_for(300, || BOMB_BODY_LEFT.load(Ordering::SeqCst));
+            BOMB_SAW_BODY_LEFT.store(BOMB_BODY_LEFT.load(Ordering::SeqCst), Ordering::SeqCst);
+            assert_eq!(borrowed[3], 7);
+        })
+    }
+}
+
+#[test]
+fn a_panic_payload_whose_drop_panics_never_ends_the_loop_before_its_items() {
+    let api = api();
+    let c = ctx(2, Pool::Threads);
+    let (code, m) = call(pool_payload_bomb, &api, &c, EXECUTE, &mut [0]).unwrap_err();
+    join_pool();
+    assert_eq!(code, XLA_FFI_Error_Code::INTERNAL);
+    assert_eq!(BOMB_STARTED.load(Ordering::SeqCst), 2, "both items ran");
+    assert!(!BOMB_SAW_BODY_LEFT.load(Ordering::SeqCst), "the loop returned while an item ran");
+    assert!(m.contains("pool_payload_bomb: a thread pool task panicked: (no message)"), "{m}");
+}
+
+/// A state whose `Drop` panics with a [`PayloadBomb`].
+struct DropBomb;
+
+impl Drop for DropBomb {
+    fn drop(&mut self) {
+        std::panic::panic_any(PayloadBomb);
+    }
+}
+
+dlbridge::xla_handler! {
+    /// Its body panics with a [`PayloadBomb`]; its state's drop does too.
+    fn bomb_state(call, operands: 0, results: 1, state: DropBomb = DropBomb) {
+        let _ = call;
+        std::panic::panic_any(PayloadBomb)
+    }
+}
+
+/// What the child process checks: every panic with a bombing payload is an error of the call (or
+/// reported by the deleter), never an unwind into XLA (a process abort).
+fn bombing_payloads_are_errors() {
+    let api = api();
+    let c = ctx(1, Pool::Threads);
+    call(bomb_state, &api, &c, INSTANTIATE, &mut []).unwrap();
+    // The body's panic.
+    let (code, m) = call(bomb_state, &api, &c, EXECUTE, &mut [0]).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::INTERNAL);
+    assert!(m.contains("bomb_state: panicked: (no message)"), "{m}");
+    // A second state XLA refuses is dropped by the instantiate stage: its Drop's panic.
+    let (code, m) = call(bomb_state, &api, &c, INSTANTIATE, &mut []).unwrap_err();
+    assert_eq!(code, XLA_FFI_Error_Code::INTERNAL);
+    assert!(m.contains("bomb_state: panicked"), "{m}");
+    // The deleter: reported, never unwound.
+    drop_executable(&c);
+}
+
+#[test]
+fn a_panic_payload_whose_drop_panics_is_an_error_never_an_abort() {
+    if cfg!(miri) {
+        // No process to spawn: the checks in this process (Miri checks nothing leaks).
+        bombing_payloads_are_errors();
+        return;
+    }
+    const CHILD: &str = "XLA_CONTEXT_BOMB_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        bombing_payloads_are_errors();
+        println!("CHILD OK");
+        return;
+    }
+    // In a child process: the old code aborted the process.
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["a_panic_payload_whose_drop_panics_is_an_error_never_an_abort", "--exact", "--nocapture"])
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > end {
+            child.kill().unwrap();
+            panic!("the child hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(status.success() && stdout.contains("CHILD OK"), "{status}\n{stdout}\n{stderr}");
+}

@@ -184,3 +184,29 @@ print("OK")
         pytest.skip("no native torch op on this torch")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
+
+
+def test_a_stage_bundle_kernel_made_before_torch_and_other_native_ops_lets_torch_import():
+    # A kernel made in Python with a stage bundle (a dict) as ffi, then an extension whose native
+    # ops wait for torch, then torch: importing torch makes every pending op, the bundle's kernel's
+    # too (a Python custom op: no native registrar is looked up for a dict), and works.
+    code = """
+import numpy as np
+import dlbridge.kernels as dk, dlbridge_kernels as k
+cap = k.center_rows._ffi
+def center(x):
+    return k.center_rows(x)
+c = dk.kernel(center, name="center_bundle_torch", namespace="test_xla_context", out="x",
+              ffi={"instantiate": cap, "execute": cap})
+import dlbridge_torch_native
+assert dk._NATIVE_OPS, "native ops still wait for torch"
+import torch
+x = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
+assert torch.allclose(c(x), x - x.mean(dim=1, keepdim=True))
+assert torch.allclose(torch.ops.test_xla_context.center_bundle_torch(x), x - x.mean(dim=1, keepdim=True))
+print("OK")
+"""
+    pytest.importorskip("torch")
+    pytest.importorskip("dlbridge_torch_native")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr

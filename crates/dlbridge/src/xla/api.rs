@@ -195,3 +195,16 @@ pub(crate) fn panic_message(p: &(dyn Any + Send)) -> &str {
         .or_else(|| p.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("(no message)")
 }
+
+/// Drops a caught panic's payload without unwinding: a payload whose `Drop` panics in turn has
+/// that panic's payload dropped the same way (a few times over; past that it is leaked, never
+/// dropped), so nothing unwinds from here.
+pub(crate) fn drop_payload(mut p: Box<dyn Any + Send>) {
+    for _ in 0..4 {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(p))) {
+            Ok(()) => return,
+            Err(again) => p = again,
+        }
+    }
+    std::mem::forget(p);
+}

@@ -15,7 +15,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::api::{Api, FfiError, Result, panic_message};
+use super::api::{Api, FfiError, Result, drop_payload, panic_message};
 use crate::xla_ffi::*;
 
 /// XLA's intra-op thread pool for the call, or the calling thread alone where XLA lends none
@@ -68,6 +68,20 @@ impl<'c> ThreadPool<'c> {
     /// Runs `f(i)` for every `i` in `0..n`, in parallel on the pool and the calling thread, and
     /// returns when all have finished. A panic in `f` is caught: the items not yet started are
     /// skipped and the panic is returned as an `INTERNAL` error.
+    ///
+    /// `f` runs on several threads at once: it is `Sync`, so it cannot reach the call (a `Call`
+    /// is the calling thread's).
+    ///
+    /// ```compile_fail,E0277
+    /// dlbridge::xla_handler! {
+    ///     fn h(call, operands: 0, results: 0) {
+    ///         let pool = call.thread_pool();
+    ///         pool.parallel_for(4, |_| {
+    ///             let _ = call.scratch::<u8>(1); // E0277: Call is not Sync
+    ///         })
+    ///     }
+    /// }
+    /// ```
     pub fn parallel_for<F: Fn(usize) + Sync>(&self, n: usize, f: F) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -111,6 +125,19 @@ impl<'c> ThreadPool<'c> {
     /// Runs `f(i, chunk)` over `data` cut into chunks of `chunk_len` elements (the last one
     /// shorter), chunk `i` in parallel with the others ([`parallel_for`](Self::parallel_for)):
     /// each chunk is lent to exactly one call, so `f` writes it freely. `chunk_len` 0 is an error.
+    ///
+    /// A chunk is lent for its call only: kept past it, it does not compile.
+    ///
+    /// ```compile_fail,E0521
+    /// dlbridge::xla_handler! {
+    ///     fn h(call, operands: 0, results: 0) {
+    ///         let data = call.scratch::<f32>(8)?;
+    ///         let kept = std::sync::Mutex::new(Vec::new());
+    ///         call.thread_pool().for_each_chunk_mut(data, 2, |_, chunk| kept.lock().unwrap().push(chunk))?;
+    ///         Ok(())
+    ///     }
+    /// }
+    /// ```
     pub fn for_each_chunk_mut<T: Send, F: Fn(usize, &mut [T]) + Sync>(
         &self,
         data: &mut [T],
@@ -207,6 +234,10 @@ impl Job {
                     if slot.is_none() {
                         *slot = Some(panic_message(&*p).to_owned());
                     }
+                    drop(slot);
+                    // Never unwinds: a payload whose Drop panics would otherwise leave this
+                    // loop (and parallel_for, whose closure goes) while other items still run.
+                    drop_payload(p);
                 }
             }
             // The last item to finish wakes the loop; AcqRel chains every item's writes to it.

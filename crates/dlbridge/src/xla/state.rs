@@ -13,7 +13,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 
-use super::api::{Api, FfiError, Result, panic_message};
+use super::api::{Api, FfiError, Result, drop_payload, panic_message};
 use crate::xla_ffi::*;
 
 /// What [`xla_handler!`](crate::xla_handler)'s `state: Type = init` declares: the state's type
@@ -75,6 +75,7 @@ unsafe extern "C" fn drop_state(state: *mut c_void) {
     let state = unsafe { Box::from_raw(state.cast::<StateBox>()) };
     if let Err(p) = catch_unwind(AssertUnwindSafe(move || drop(state))) {
         eprintln!("dlbridge: dropping an XLA handler's state panicked: {}", panic_message(&*p));
+        drop_payload(p);
     }
 }
 
@@ -175,12 +176,15 @@ pub(super) fn instantiate(
     // SAFETY: XLA's function with the call's context and arguments of the declared size; it takes
     // the state on success (and frees it with the type's deleter, drop_state).
     let err = unsafe { set(&mut args) };
-    if !err.is_null() {
+    let taken = err.is_null();
+    // XLA's error is read and freed first: a state whose Drop panics (below) leaks nothing of it.
+    let result = api.check(err, "state: XLA_FFI_State_Set");
+    if !taken {
         // Not taken: freed here.
         // SAFETY: made just above, not handed over.
         drop(unsafe { Box::from_raw(state) });
     }
-    api.check(err, "state: XLA_FFI_State_Set")
+    result
 }
 
 /// The state the instantiate stage made, as a `T`.
