@@ -6,11 +6,11 @@
 //! under a name unique to this copy of the code: a [`StateBox`] holding the handler's value as
 //! `dyn Any`, so [`Call::state`](super::Call::state) checks the Rust type it is read as.
 
+use crate::fork::ForkSafeMutex;
 use std::any::{Any, TypeId};
 use std::ffi::c_void;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 
 use super::api::{Api, FfiError, Result, drop_payload, panic_message};
@@ -84,7 +84,9 @@ unsafe extern "C" fn drop_state(state: *mut c_void) {
 /// first one is also kept in two atomics, read without the lock.
 static FIRST_REGISTRY: AtomicUsize = AtomicUsize::new(0);
 static FIRST_ID: AtomicI64 = AtomicI64::new(0);
-static REGISTRIES: Mutex<Vec<(usize, i64)>> = Mutex::new(Vec::new());
+/// Fork-safe: a forked child finds it free (a thread registering the type at the fork would
+/// otherwise leave it held forever in the child).
+static REGISTRIES: ForkSafeMutex<Vec<(usize, i64)>> = ForkSafeMutex::new(Vec::new());
 
 fn registry_key(api: Api<'_>) -> Option<(usize, XLA_FFI_Type_Register)> {
     api_field!(api, XLA_FFI_Type_Register).map(|f| (api.table as usize, f))
@@ -96,7 +98,7 @@ fn known_type_id(key: usize) -> Option<i64> {
     if FIRST_REGISTRY.load(Ordering::Acquire) == key {
         return Some(FIRST_ID.load(Ordering::Relaxed));
     }
-    let known = REGISTRIES.lock().unwrap_or_else(|e| e.into_inner());
+    let known = REGISTRIES.lock();
     known.iter().find(|(k, _)| *k == key).map(|&(_, id)| id)
 }
 
@@ -111,7 +113,7 @@ fn type_id(api: Api<'_>) -> Result<i64> {
     if let Some(id) = known_type_id(key) {
         return Ok(id);
     }
-    let mut known = REGISTRIES.lock().unwrap_or_else(|e| e.into_inner());
+    let mut known = REGISTRIES.lock();
     if let Some(&(_, id)) = known.iter().find(|(k, _)| *k == key) {
         return Ok(id);
     }
