@@ -140,8 +140,8 @@ impl OpSignature {
     /// tuple). [`Error::Invalid`] for a result of kind `TensorMut`, `Str` or a list, more than 26
     /// mutated tensors, a name that is not an identifier, or a default that names no argument or
     /// is not a value of its argument's kind (an `int`, a finite `float`, `True`/`False`, a
-    /// string literal [`string_literal`] writes, a list `[v, ...]` of its element kind; none for
-    /// a tensor).
+    /// double-quoted string literal, a list `[v, ...]` of its element kind, `None` for a
+    /// `Tensor?`; none for any other tensor).
     pub fn schema(&self) -> Result<String> {
         let ident = |what: &str, s: &str| {
             let ok = s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
