@@ -161,6 +161,10 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
     # (A set has no order: refused as torch's list schema refuses it.)
     if isinstance(value, (str, bytes, Mapping, Set)) or getattr(value, "ndim", 1) != 1:
         raise _attr_refusal(kernel, name, declared, value, " (an array attribute is one sequence of values)")
+    # A number is refused before list() is tried (torch 2.11's dynamo cannot trace list(1): it
+    # would report that instead of the refusal).
+    if isinstance(value, numbers.Number):
+        raise _attr_refusal(kernel, name, declared, value)
     try:
         items = list(value)
     except TypeError:
@@ -1403,7 +1407,7 @@ class Kernel:
             if torch.is_grad_enabled():
                 # create_graph=True: each gradient must carry its graph for a double backward.
                 result = self._first_order_only(torch, result, (grad, *saved))
-            return result
+            return _fit_inputs(ctx, result)
 
         return setup_context, backward
 
@@ -1452,7 +1456,7 @@ class Kernel:
                 single = [r if not isinstance(r, list) else None for r in out]
                 single = list(self._first_order_only(torch, tuple(single), tuple(flat_in)))
                 result = [o if isinstance(o, list) else single[j] for j, o in enumerate(out)]
-            return tuple(result)
+            return _fit_inputs(ctx, tuple(result))
 
         return setup_context, backward
 
@@ -1481,7 +1485,7 @@ class Kernel:
             result = tuple(got.get(n) if i in tensor_idx else None for i, n in enumerate(params))
             if torch.is_grad_enabled():
                 result = self._first_order_only(torch, result, (*[g for g in grads if g is not None], *saved))
-            return result
+            return _fit_inputs(ctx, result)
 
         return setup_context, backward
 
@@ -1775,6 +1779,16 @@ def _checked_class(cls: type) -> type:
         checked.__qualname__ = cls.__qualname__
         _CHECKED_CLASSES[cls] = checked
     return checked
+
+
+def _fit_inputs(ctx: Any, result: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A torch backward's gradients, one per input the op was called with: before torch 2.12 or
+    so, a call that leaves out trailing defaulted arguments (``Tensor? bias=None``) has fewer
+    inputs than parameters (``ctx.needs_input_grad`` says how many), and torch.library refuses
+    a gradient for each parameter ("Expected the return from backward to be of the same
+    structure as the inputs"). What is cut is a left-out argument's: None."""
+    n = len(ctx.needs_input_grad)
+    return result[:n] if n < len(result) else result
 
 
 def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
