@@ -36,7 +36,12 @@ tensor, which the eager function would drop. In jax a kernel with a backward or 
 jvp, reverse mode its transpose, the backward; each missing one is refused, naming it. Second
 order: ``jax.hessian`` and ``torch.func.hessian`` (forward over reverse) where the backward kernel
 names a jvp, forward over forward where the jvp kernel does; "first order only" otherwise. A jvp
-is for a kernel with one result that writes no argument.
+is for a kernel that writes no argument. A kernel with several results (``results``, below) gets
+one tangent per result, residuals included, in their order (a tuple, from a jvp kernel with
+``results`` of its own or a callable); the jvp reads each result by its name too. A residual
+needs its tangent: the backward reads it, so forward over reverse (``hessian``) differentiates
+through it (torch: a kernel with a jvp keeps its residuals differentiable in its
+``autograd.Function``, their cotangents zero). The caller sees the visible results' tangents.
 
 A backward is differentiable again (reverse over reverse) when it is made of differentiable
 operations (torch ops, or kernels with a backward of their own); where it is not (a kernel
@@ -603,16 +608,12 @@ class Kernel:
         return flat
 
     def _declare_jvp(self, jvp: Any) -> Any:
-        """The forward-mode rule, checked: ``(kernel, args)`` (``args`` names among the tensor
-        parameters, ``"out"`` and ``"tangent_<parameter>"``) or a callable ``jvp(named) -> tangent``."""
+        """The forward-mode rule, checked: ``(kernel, args)`` (``args`` names among the
+        parameters, ``"out"``, each result's name and ``"tangent_<parameter>"``) or a callable
+        ``jvp(named) -> tangent`` (a tuple of one tangent per result, for several)."""
         if jvp is None:
             return None
         name = self.__name__
-        if self._results:
-            raise ValueError(
-                f"kernel {name}: jvp= with results=: a forward-mode rule is for a kernel with one result "
-                "(out=); declare the jvp of each result as its own kernel"
-            )
         if self._mutates:
             raise ValueError(f"kernel {name}: jvp= with mutates=: an in-place kernel has no derivative")
         if callable(jvp):
@@ -624,11 +625,12 @@ class Kernel:
                 f"kernel {name}: jvp={jvp!r}: give (kernel, args) or a callable jvp(named) -> tangent"
             ) from None
         tensors = [self._params[i] for i in self._tensor_idx]
-        known = {"out", *tensors, *self._attrs, *[f"tangent_{n}" for n in tensors]}
+        known = {"out", *tensors, *self._attrs, *self._results, *[f"tangent_{n}" for n in tensors]}
         for n in jargs:
             if n not in known:
+                results = "".join(f"{r!r}, " for r in self._results)
                 raise ValueError(
-                    f"kernel {name}: jvp argument {n!r} is unknown (a parameter, 'out', or "
+                    f"kernel {name}: jvp argument {n!r} is unknown (a parameter, 'out', {results}or "
                     f"'tangent_<tensor parameter>': {', '.join(f'tangent_{t}' for t in tensors)})"
                 )
         return (jk, tuple(jargs))
@@ -776,7 +778,8 @@ class Kernel:
         elif callable(jv):
             lines.append(f"Jvp: {getattr(jv, '__name__', jv)!s}.")
         else:
-            lines.append(f"Jvp: {getattr(jv[0], '__name__', jv[0])!s}({', '.join(jv[1])}) gives the tangent of the result.")
+            of = f"the tangents of {', '.join(self._results)}" if self._results else "the tangent of the result"
+            lines.append(f"Jvp: {getattr(jv[0], '__name__', jv[0])!s}({', '.join(jv[1])}) gives {of}.")
         return "\n".join(lines)
 
     @property
@@ -1030,12 +1033,35 @@ class Kernel:
         return dict(zip(bgrads, res, strict=True))
 
     def _run_jvp(self, named: dict[str, Any]) -> Any:
-        """The result's tangent from the primals, ``out`` and each ``tangent_<parameter>``."""
+        """The result's tangent from the primals, ``out`` and each ``tangent_<parameter>``; for a
+        kernel with several results, a tuple of one tangent per result (residuals included), the
+        results read by name too."""
         jv = self._jvp
         if callable(jv):
-            return jv(named)
-        jk, jargs = jv
-        return jk(*[named[n] for n in jargs])
+            got = jv(named)
+        else:
+            jk, jargs = jv
+            got = jk(*[named[n] for n in jargs])
+        if not self._results:
+            return got
+        n = len(self._results)
+        if n == 1 and not isinstance(got, (tuple, list)):
+            return (got,)
+        if not isinstance(got, (tuple, list)) or len(got) != n:
+            what = f"{len(got)} tangents" if isinstance(got, (tuple, list)) else f"one {type(got).__name__}"
+            raise ValueError(
+                f"{self.__name__}: its jvp gave {what}, but the kernel declares {n} results "
+                f"({', '.join(self._results)}): the jvp gives one tangent per result, residuals "
+                "included (the backward reads them, and second order differentiates through them), "
+                "as a tuple in that order"
+            )
+        return tuple(got)
+
+    def _named_primal_results(self, named: dict[str, Any], outs: Sequence[Any]) -> None:
+        """What a jvp reads of the results: each by name, ``out`` the first visible one."""
+        for r, o in zip(self._results, outs, strict=True):
+            named[r] = o
+        named["out"] = outs[self._visible[0]]
 
     def _no_jvp_message(self) -> str:
         """Why forward-mode AD cannot go through this kernel, and what to add."""
@@ -1336,7 +1362,9 @@ class Kernel:
         of a gradient call. Its backward is the kernel's, or the refusal of a kernel with none."""
         overload = self._overload
         if self._backward is not None:
-            setup_context, backward = self._autograd_rules(torch)
+            # With a jvp, a residual stays differentiable here: its tangent (the jvp's) reaches
+            # the backward, which reads it, so forward over reverse (hessian) sees it.
+            setup_context, backward = self._autograd_rules(torch, residual_tangents=self._jvp is not None)
         else:
 
             def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -1348,17 +1376,24 @@ class Kernel:
         params, tensor_idx = self._params, self._tensor_idx
         setup_backward = setup_context
         if self._jvp is not None:
+            several = bool(self._results)
+            n_in = len(tensor_idx)
 
             def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
                 setup_backward(ctx, inputs, output)
-                ctx.save_for_forward(*[inputs[i] for i in tensor_idx], output)
+                outs = self._all_results(output) if several else (output,)
+                ctx.save_for_forward(*[inputs[i] for i in tensor_idx], *outs)
                 ctx.dlbridge_jvp_attrs = self._attr_dict(inputs)
 
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 saved = ctx.saved_tensors
-                named = {params[i]: t if t is None else t.contiguous() for i, t in zip(tensor_idx, saved[:-1], strict=True)}
-                named["out"] = saved[-1].contiguous()
-                for i, t in zip(tensor_idx, saved[:-1], strict=True):
+                named = {params[i]: t if t is None else t.contiguous() for i, t in zip(tensor_idx, saved[:n_in], strict=True)}
+                outs = [o.contiguous() for o in saved[n_in:]]
+                if several:
+                    self._named_primal_results(named, outs)
+                else:
+                    named["out"] = outs[0]
+                for i, t in zip(tensor_idx, saved[:n_in], strict=True):
                     d = tangents[i]
                     if t is None:  # an absent optional tensor: no tangent either
                         named[params[i]] = named[f"tangent_{params[i]}"] = None
@@ -1383,11 +1418,12 @@ class Kernel:
             },
         )
 
-    def _autograd_rules(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """The ``setup_context`` and ``backward`` of a kernel that names a backward."""
+    def _autograd_rules(self, torch: Any, residual_tangents: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The ``setup_context`` and ``backward`` of a kernel that names a backward (residuals
+        marked non-differentiable unless ``residual_tangents``: forward mode gives them tangents)."""
         params, tensor_idx = self._params, self._tensor_idx
         if self._results:
-            return self._autograd_rules_several(torch)
+            return self._autograd_rules_several(torch, residual_tangents)
 
         if self._counted:
             return self._autograd_rules_counted(torch)
@@ -1460,12 +1496,13 @@ class Kernel:
 
         return setup_context, backward
 
-    def _autograd_rules_several(self, torch: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def _autograd_rules_several(self, torch: Any, residual_tangents: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``setup_context`` and ``backward`` of a kernel with several results: every result (the
-        residuals too) is saved; residuals are non-differentiable outputs."""
+        residuals too) is saved; residuals are non-differentiable outputs, unless
+        ``residual_tangents`` (their cotangent is then zero, as the caller never sees them)."""
         params, tensor_idx = self._params, self._tensor_idx
         n_in = len(tensor_idx)
-        residual_idx = [i for i in range(len(self._results)) if i not in self._visible]
+        residual_idx = [] if residual_tangents else [i for i in range(len(self._results)) if i not in self._visible]
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             output = self._all_results(output)  # (one result: the op returns it alone)
@@ -1648,9 +1685,14 @@ class Kernel:
                     raise TypeError(self._no_jvp_message())
                 named = dict(zip(names, self._unflatten(res[:n], attrs), strict=True))
                 named.update(attrs)
-                named["out"] = res[n]
+                if several:
+                    self._named_primal_results(named, res[n:])
+                else:
+                    named["out"] = res[n]
                 for p, t in zip(names, self._unflatten(lin, attrs), strict=True):
                     named[f"tangent_{p}"] = t
+                if several:
+                    return tuple(jnp.asarray(t) for t in self._run_jvp(named))
                 return (jnp.asarray(self._run_jvp(named)),)
 
             def cotangent(res: tuple[Any, ...], cts: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -199,7 +199,7 @@ def test_help_names_the_jvp():
     assert "No jvp: forward-mode derivatives through it are refused." in K.rms_norm.__doc__
 
 
-def test_a_jvp_is_declared_with_known_names_on_a_kernel_of_one_result():
+def test_a_jvp_is_declared_with_known_names():
     def f(x, w):
         return x
 
@@ -209,9 +209,10 @@ def test_a_jvp_is_declared_with_known_names_on_a_kernel_of_one_result():
         dlbridge.kernels.kernel(f, jvp=(K.softmax_jvp,))
     with pytest.raises(ValueError, match="jvp= with mutates="):
         dlbridge.kernels.kernel(f, mutates=("x",), jvp=lambda named: named["tangent_x"])
-    with pytest.raises(ValueError, match="jvp= with results="):
+    # with several results, the jvp reads them by name too (tests/test_jvp_results.py)
+    with pytest.raises(ValueError, match=r"jvp argument 'tangent_a' is unknown \(a parameter, 'out', 'a', 'b', or"):
         dlbridge.kernels.kernel(
-            f, results=("a", "b"), result_rule=lambda s, d, a: [(s[0], d[0])] * 2, jvp=lambda n: n["tangent_x"]
+            f, results=("a", "b"), result_rule=lambda s, d, a: [(s[0], d[0])] * 2, jvp=(K.softmax_jvp, ("a", "tangent_a"))
         )
 
 
