@@ -561,16 +561,28 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
     }
     // One body, two capacities (validate() bounds the signature's counts by MAX_FRAME_ITEMS, and
     // the body refuses a list past it; the fresh results are at most the signature's results).
+    // An op without attributes (the usual tensor-in, tensor-out op) builds no attribute arrays.
     const S: usize = SMALL_FRAME_ITEMS;
-    if operands <= S && scalars <= S && sig.rets().len() + mutated <= S {
-        call_handler_in::<S>(op, args, outs)
-    } else {
-        call_handler_in::<MAX_FRAME_ITEMS>(op, args, outs)
+    if operands <= S && sig.rets().len() + mutated <= S {
+        if scalars == 0 {
+            return call_handler_in::<S, 0>(op, args, outs);
+        }
+        if scalars <= S {
+            return call_handler_in::<S, S>(op, args, outs);
+        }
     }
+    call_handler_in::<MAX_FRAME_ITEMS, MAX_FRAME_ITEMS>(op, args, outs)
 }
 
-/// [`call_handler`] with a frame of `N` items of each kind, on the stack.
-fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
+/// [`call_handler`] with a frame of `N` operands and results and `A` attributes, on the stack
+/// (each capacity its own function: inlined together, the small frame would be as large as the
+/// largest).
+#[inline(never)]
+fn call_handler_in<const N: usize, const A: usize>(
+    op: &XlaOp,
+    args: &Args,
+    outs: &mut Outputs,
+) -> Result<(), KernelError> {
     let torch = args_torch(args)?;
     let sig = &op.signature;
     // Operands: every tensor argument, C-contiguous on the CPU (an optional one when given, each
@@ -713,15 +725,15 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
     }
     let n_rets = n_fresh + n_aliased;
     // Attributes: every scalar argument, as the handler reads it.
-    let mut attr_names = [NO_SPAN; N];
-    let mut kinds = [XLA_FFI_AttrType::SCALAR; N];
-    let mut words = [[0u64; 1]; N];
-    let mut scalar_types = [XLA_FFI_DataType::INVALID; N];
-    let mut string_spans = [NO_SPAN; N];
+    let mut attr_names = [NO_SPAN; A];
+    let mut kinds = [XLA_FFI_AttrType::SCALAR; A];
+    let mut words = [[0u64; 1]; A];
+    let mut scalar_types = [XLA_FFI_DataType::INVALID; A];
+    let mut string_spans = [NO_SPAN; A];
     // Array attributes: int64, float64 and bool lists are lent from the arguments as they are;
     // int32 and float32 ones are narrowed into these (each inner buffer stays where it is as the
     // outer list grows; nothing is allocated for an op without such an attribute).
-    let mut arrays = [NO_ARRAY; N];
+    let mut arrays = [NO_ARRAY; A];
     let mut narrowed_i32: Vec<Vec<i32>> = Vec::new();
     let mut narrowed_f32: Vec<Vec<f32>> = Vec::new();
     let mut n_attrs = 0;
@@ -729,7 +741,7 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
         if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList) {
             continue;
         }
-        if n_attrs == N {
+        if n_attrs == A {
             return Err(too_many(op, "scalar arguments", n_attrs + 1));
         }
         let ty = op.attrs.iter().find(|(n, _)| *n == name).map(|&(_, t)| t);
@@ -812,7 +824,7 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
     // The count of each optional or list argument: an int64 attribute `<name>.count`, as
     // dlbridge.kernels passes it under jax.jit (the handler declares it: xla::Operand).
     for (name, n) in &counts {
-        if n_attrs == N {
+        if n_attrs == A {
             return Err(too_many(op, "scalar arguments", n_attrs + 1));
         }
         attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
@@ -822,12 +834,12 @@ fn call_handler_in<const N: usize>(op: &XlaOp, args: &Args, outs: &mut Outputs) 
     }
     // Every array is complete and stays where it is until the call returns: pointers into them
     // are taken only now.
-    let mut scalars: [XLA_FFI_Scalar; N] = std::array::from_fn(|k| XLA_FFI_Scalar {
+    let mut scalars: [XLA_FFI_Scalar; A] = std::array::from_fn(|k| XLA_FFI_Scalar {
         dtype: scalar_types[k],
         value: words[k].as_mut_ptr().cast(),
     });
-    let mut attr_values: [*mut c_void; N] = [null_mut(); N];
-    let mut name_ptrs: [*mut XLA_FFI_ByteSpan; N] = [null_mut(); N];
+    let mut attr_values: [*mut c_void; A] = [null_mut(); A];
+    let mut name_ptrs: [*mut XLA_FFI_ByteSpan; A] = [null_mut(); A];
     for k in 0..n_attrs {
         attr_values[k] = match kinds[k] {
             XLA_FFI_AttrType::STRING => (&raw mut string_spans[k]).cast(),
