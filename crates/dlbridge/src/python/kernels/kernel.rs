@@ -91,7 +91,8 @@ pub struct KernelDef<'a> {
     /// `jvp(named: dict) -> tangent`. With it `jax.jvp`/`jacfwd` and torch's forward AD
     /// (`torch.func.jvp`, `jacfwd`, dual tensors) work, and with a backward whose kernel has a
     /// jvp of its own, `jax.hessian` and `torch.func.hessian`. `None`: forward mode is refused.
-    /// For a kernel with one result (`out`), not `mutates`.
+    /// Not for `mutates`. With `results`, one tangent per result, residuals included, in the
+    /// declared order (a tuple; the jvp reads each result by name).
     pub jvp: Option<&'a Bound<'a, PyAny>>,
 }
 
