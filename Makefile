@@ -77,12 +77,14 @@ rust-test: $(STAMP) ## every Rust test, all features
 # shm tests that need memfd and mmap are left out under Miri) and of the bridges (faer, nalgebra,
 # arrow, image, candle, cudarc: the cudarc
 # tests that need a GPU are ignored everywhere without one; nalgebra's iterating tests are ignored
-# under Miri, see tests/nalgebra_bridge.rs). Isolation is off only so proptest can read its files;
-# case counts lowered.
+# under Miri, see tests/nalgebra_bridge.rs), and the native torch op's decoding of optional, list
+# and plain-list arguments (torch_stable::kernel's unbox tests: every free counted). Isolation is
+# off only so proptest can read its files; case counts lowered.
 miri: ## the core's tests under Miri (nightly)
 	@rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^miri' \
 	  || rustup component add --toolchain nightly miri rust-src
 	PROPTEST_CASES=8 MIRIFLAGS="-Zmiri-disable-isolation" $(CARGO) +nightly miri test -p dlbridge --features ndarray,faer,nalgebra,arrow,image,candle,cudarc,shm
+	MIRIFLAGS="-Zmiri-disable-isolation" $(CARGO) +nightly miri test -p dlbridge --features torch-stable --lib torch_stable::kernel::unbox_tests
 
 # What users install carries no test hooks: the extension built without the test-hooks feature
 # (as every wheel is) must not contain them.

@@ -423,7 +423,7 @@ unsafe fn take_args(
             },
             ArgKind::IntList | ArgKind::FloatList | ArgKind::BoolList => {
                 // SAFETY: a list argument is an owning list handle of plain values.
-                match unsafe { take_plain_list(torch, raw as usize as StableListHandle) } {
+                match unsafe { take_plain_list(&torch, raw) } {
                     Ok(words) => Some(match kind {
                         ArgKind::IntList => Value::IntList(words.into_iter().map(|w| w as i64).collect()),
                         ArgKind::FloatList => {
@@ -495,40 +495,6 @@ unsafe fn take_string(torch: &Torch, h: StringHandle) -> Result<String> {
     // SAFETY: the owning handle, freed once, after its bytes were copied.
     let _ = unsafe { delete(h) };
     s
-}
-
-/// Copies the elements (raw stack words) of an owning list handle of plain values (`int`,
-/// `float`, `bool`: nothing owned inside) and frees the list.
-///
-/// # Safety
-///
-/// `h` is NULL or an owning `StableListHandle` of `torch`, of plain values, nothing else frees.
-unsafe fn take_plain_list(torch: &Torch, h: StableListHandle) -> Result<Vec<StableIValue>> {
-    if h.is_null() {
-        return Err(Error::Invalid("a NULL list".into()));
-    }
-    let delete = torch.need(torch.syms.torch_delete_list, "torch_delete_list")?;
-    let read = || -> Result<Vec<StableIValue>> {
-        let size_f = torch.need(torch.syms.torch_list_size, "torch_list_size")?;
-        let get_f = torch.need(torch.syms.torch_list_get_item, "torch_list_get_item")?;
-        let mut n = 0usize;
-        // SAFETY: a live list handle and a place for the result.
-        torch.check(unsafe { size_f(h, &mut n) }, "torch_list_size")?;
-        // A count torch reported, yet never trusted for an allocation up front: the list's
-        // elements are read one by one, each call checked.
-        let mut words = Vec::with_capacity(n.min(1024));
-        for i in 0..n {
-            let mut w: StableIValue = 0;
-            // SAFETY: a live list handle, an index below its size, a place for the element.
-            torch.check(unsafe { get_f(h, i, &mut w) }, "torch_list_get_item")?;
-            words.push(w);
-        }
-        Ok(words)
-    };
-    let words = read();
-    // SAFETY: the owning handle, freed once, after its plain elements were copied.
-    let _ = unsafe { delete(h) };
-    words
 }
 
 /// What decoding a `Tensor?` or `Tensor[]` argument asks of torch (a trait, so the decoding and
@@ -655,6 +621,38 @@ pub(crate) unsafe fn take_optional<U: Unbox>(u: &U, raw: StableIValue) -> Result
 ///
 /// `raw` is a `Tensor[]` argument torch put on a kernel's stack (owned by the kernel).
 pub(crate) unsafe fn take_list<U: Unbox>(u: &U, raw: StableIValue) -> Result<Vec<U::Tensor>, String> {
+    // SAFETY: the caller's contract; each item of a `Tensor[]` is an owning tensor handle, taken
+    // once (by the closure) and now the result's.
+    unsafe { take_list_of(u, raw, |item| u.tensor(item)) }
+}
+
+/// An `int[]`, `float[]` or `bool[]` argument taken off the stack: its items' words copied (plain
+/// values, nothing owned inside), then the list freed (once). The same walk as [`take_list`].
+///
+/// # Safety
+///
+/// `raw` is such an argument torch put on a kernel's stack (owned by the kernel).
+pub(crate) unsafe fn take_plain_list<U: Unbox>(
+    u: &U,
+    raw: StableIValue,
+) -> Result<Vec<StableIValue>, String> {
+    // SAFETY: the caller's contract; a plain item owns nothing, so copying its word is all.
+    unsafe { take_list_of(u, raw, Some) }
+}
+
+/// The walk of every list argument: each item's encoding handed to `take` (`None`: a NULL
+/// tensor; an error, the other items still taken), then the list freed once, whatever failed. A
+/// list whose length cannot be read is freed and its items (unreachable) leak, never freed twice.
+///
+/// # Safety
+///
+/// `raw` is a list argument torch put on a kernel's stack (owned by the kernel), and `take` may
+/// be given each of its items' encodings once.
+unsafe fn take_list_of<U: Unbox, T>(
+    u: &U,
+    raw: StableIValue,
+    mut take: impl FnMut(StableIValue) -> Option<T>,
+) -> Result<Vec<T>, String> {
     let l = raw as usize as StableListHandle;
     if l.is_null() {
         return Err("a NULL list".into());
@@ -663,19 +661,18 @@ pub(crate) unsafe fn take_list<U: Unbox>(u: &U, raw: StableIValue) -> Result<Vec
     let n = match unsafe { u.list_size(l) } {
         Ok(n) => n,
         Err(e) => {
-            // The items cannot be reached: they leak, never freed twice; the list is freed.
             // SAFETY: the owning list, freed once.
             unsafe { u.free_list(l) };
             return Err(e);
         }
     };
-    let mut items = Vec::new();
+    // A count torch reported, yet never trusted for an allocation up front.
+    let mut items = Vec::with_capacity(n.min(1024));
     let mut first_error = None;
     for i in 0..n {
         // SAFETY: a live list, `i` below its length.
         match unsafe { u.list_item(l, i) } {
-            // SAFETY: each item is an owning handle, now the result's.
-            Ok(raw) => match unsafe { u.tensor(raw) } {
+            Ok(raw) => match take(raw) {
                 Some(t) => items.push(t),
                 None => {
                     first_error.get_or_insert_with(|| format!("item {i}: a NULL tensor"));
@@ -1049,7 +1046,7 @@ mod unbox_tests {
 
     use std::cell::Cell;
 
-    use super::{StableIValue, StableListHandle, Unbox, take_list, take_optional};
+    use super::{StableIValue, StableListHandle, Unbox, take_list, take_optional, take_plain_list};
 
     /// Handles are boxed ids; boxes are `Box<u64>`; lists `Box<Vec<u64>>`. Every free counted.
     #[derive(Default)]
@@ -1168,5 +1165,22 @@ mod unbox_tests {
         assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 1));
         // SAFETY: the unreadable item's handle, freed by the test (not leaked under Miri).
         drop(unsafe { Box::from_raw(leaked as usize as *mut u32) });
+    }
+
+    #[test]
+    fn a_plain_list_copies_its_words_and_frees_itself_once() {
+        let c = Counting::default();
+        let words = vec![3u64, u64::MAX, 0];
+        // SAFETY: an owning list of plain words.
+        assert_eq!(unsafe { take_plain_list(&&c, list(words.clone())) }.unwrap(), words);
+        assert_eq!((c.lists_freed.get(), c.tensors_deleted.get()), (1, 0));
+        // SAFETY: NULL is refused before anything is read.
+        assert!(unsafe { take_plain_list(&&c, 0) }.unwrap_err().contains("NULL list"));
+        // An item that cannot be read fails the list, which is still freed once.
+        let c = Counting { fail_item: Some(1), ..Counting::default() };
+        // SAFETY: as above.
+        let e = unsafe { take_plain_list(&&c, list(vec![1, 2])) }.unwrap_err();
+        assert!(e.contains("item 1: refused"), "{e}");
+        assert_eq!(c.lists_freed.get(), 1);
     }
 }
