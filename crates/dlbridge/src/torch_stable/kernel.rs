@@ -107,6 +107,7 @@ impl Slots {
     const INLINE: usize = 8;
 
     /// `n` empty slots.
+    #[inline(always)]
     fn new(n: usize) -> Self {
         if n <= Self::INLINE {
             Self::Inline { len: n, items: [const { None }; Self::INLINE] }
@@ -311,13 +312,16 @@ pub unsafe fn run_boxed<F>(
 {
     let Some(torch) = Torch::get() else { no_torch() };
     let run = || -> Result<(), KernelError> {
+        // The arguments and outputs are made here and filled in place (each holds up to 8 values
+        // inline: moved through returns, they were copied whole, a memcpy a move).
+        let mut args = Args { sig: signature.args(), values: Slots::new(signature.args().len()) };
         // SAFETY: the caller's contract.
-        let mut args = unsafe { take_args(torch, stack, num_args, num_outputs, signature) }?;
+        unsafe { take_args(torch, stack, num_args, num_outputs, signature, &mut args.values) }?;
         let mut outs = Outputs { kinds: signature.rets(), values: Slots::new(signature.rets().len()) };
         body(&mut args, &mut outs)?;
         drop(args);
         // SAFETY: the stack has room for num_outputs == rets.len() entries (checked in take_args).
-        unsafe { put_outputs(stack, outs) }
+        unsafe { put_outputs(stack, &mut outs) }
     };
     let failure = match catch_unwind(AssertUnwindSafe(run)) {
         Ok(Ok(())) => return,
@@ -371,6 +375,9 @@ pub fn register_kernel<K: NativeKernel>(
     Ok(())
 }
 
+/// Takes every argument off the stack into `values` (one slot per argument, empty), each owning
+/// one held there before any error returns (the caller's drop frees them).
+///
 /// # Safety
 ///
 /// As [`run_boxed`].
@@ -380,7 +387,8 @@ unsafe fn take_args(
     num_args: u64,
     num_outputs: u64,
     sig: &OpSignature,
-) -> Result<Args, KernelError> {
+    values: &mut Slots,
+) -> Result<(), KernelError> {
     if num_args != sig.args().len() as u64 || num_outputs != sig.rets().len() as u64 {
         // Nothing can be freed without knowing the arguments' kinds: a kernel registered for
         // another op (a programming error) leaks its arguments, never frees them wrongly.
@@ -393,7 +401,6 @@ unsafe fn take_args(
     if stack.is_null() && (num_args > 0 || num_outputs > 0) {
         return Err(KernelError("a NULL stack".into()));
     }
-    let mut values = Slots::new(sig.args().len());
     let mut first_error: Option<KernelError> = None;
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
         // SAFETY: entry i < num_args of torch's stack.
@@ -456,10 +463,10 @@ unsafe fn take_args(
         };
         values.get_mut()[i] = v;
     }
-    // Every owning argument is now held (and freed by the drop) before any error returns.
+    // Every owning argument is now held (and freed by the caller's drop) before any error returns.
     match first_error {
         Some(e) => Err(e),
-        None => Ok(Args { sig: sig.args(), values }),
+        None => Ok(()),
     }
 }
 
@@ -696,8 +703,7 @@ unsafe fn take_list_of<U: Unbox, T>(
 /// # Safety
 ///
 /// `stack` has room for `outs.kinds.len()` entries.
-unsafe fn put_outputs(stack: *mut StableIValue, outs: Outputs) -> Result<(), KernelError> {
-    let mut outs = outs;
+unsafe fn put_outputs(stack: *mut StableIValue, outs: &mut Outputs) -> Result<(), KernelError> {
     if let Some(i) = outs.values.get().iter().position(Option::is_none) {
         return Err(KernelError(format!("output {i} was not set")));
     }

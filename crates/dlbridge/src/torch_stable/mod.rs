@@ -382,20 +382,21 @@ impl Codes {
             };
         }
         Ok(Self {
+            // The commonest first (both lookups search the table in order).
             dtypes: [
+                (code!(aoti_torch_dtype_float32), DataType::FLOAT32),
+                (code!(aoti_torch_dtype_int64), DataType::INT64),
+                (code!(aoti_torch_dtype_float64), DataType::FLOAT64),
+                (code!(aoti_torch_dtype_int32), DataType::INT32),
+                (code!(aoti_torch_dtype_bfloat16), DataType::BFLOAT16),
+                (code!(aoti_torch_dtype_float16), DataType::FLOAT16),
                 (code!(aoti_torch_dtype_bool), DataType::BOOL),
                 (code!(aoti_torch_dtype_uint8), DataType::UINT8),
+                (code!(aoti_torch_dtype_int8), DataType::INT8),
                 (code!(aoti_torch_dtype_uint16), DataType::UINT16),
                 (code!(aoti_torch_dtype_uint32), DataType::UINT32),
                 (code!(aoti_torch_dtype_uint64), DataType::UINT64),
-                (code!(aoti_torch_dtype_int8), DataType::INT8),
                 (code!(aoti_torch_dtype_int16), DataType::INT16),
-                (code!(aoti_torch_dtype_int32), DataType::INT32),
-                (code!(aoti_torch_dtype_int64), DataType::INT64),
-                (code!(aoti_torch_dtype_float16), DataType::FLOAT16),
-                (code!(aoti_torch_dtype_bfloat16), DataType::BFLOAT16),
-                (code!(aoti_torch_dtype_float32), DataType::FLOAT32),
-                (code!(aoti_torch_dtype_float64), DataType::FLOAT64),
                 (code!(aoti_torch_dtype_complex64), DataType::COMPLEX64),
                 (code!(aoti_torch_dtype_complex128), DataType::COMPLEX128),
             ],
