@@ -245,10 +245,13 @@ impl TorchState {
     pub(crate) fn refuse_untracked_read(&self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = obj.py();
         let bits = super::torch_bits::aten_bits(py);
-        if bits.and_then(|b| b.grad_enabled()) == Some(false) {
+        // The tensor's own bit first (a field read through ATen): most tensors do not require
+        // grad, and then grad mode (a thread-local lookup in libc10) need not be asked.
+        let aten_requires_grad = bits.and_then(|b| b.requires_grad(obj));
+        if aten_requires_grad == Some(false) || bits.and_then(|b| b.grad_enabled()) == Some(false) {
             return Ok(());
         }
-        let requires_grad = match bits.and_then(|b| b.requires_grad(obj)) {
+        let requires_grad = match aten_requires_grad {
             Some(rg) => rg,
             None => self.requires_grad(obj)?,
         };
