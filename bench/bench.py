@@ -165,9 +165,9 @@ def main() -> int:
             "dlbridge: owned import (ManagedTensor), torch ": "D.import_ptr(x)",
             "dlbridge: borrowed view (TensorView), torch ": "D.view_ptr(x)",
             "dlbridge: typed argument (TensorRef<f32>), torch": "D.typed_ptr(x)",
-            # The view targets compare with dlpark's view in this group (every case of a group
-            # measured under the same conditions; the import group above runs pyo3-dlpack's
-            # Python-level export, after which every case there is slower).
+            # The view targets compare with dlpark's view in this group, where the typed argument
+            # is measured too: a ratio's two sides always come from one group (interleaved, the
+            # same conditions). Across groups a load on the machine during one of them skews it.
             "dlpark 0.10: borrowed view, torch ": "K.view_ptr(x)" if K and hasattr(K, "view_ptr") else None,
             PTR_FLOOR + ", torch ": "D.ptr_floor(x)",
             "floor: torch's own borrowed DLTensor, no validation ": "D.torch_floor_view(x)",
