@@ -1043,10 +1043,11 @@ class Kernel:
             jk, jargs = jv
             got = jk(*[named[n] for n in jargs])
         if not self._results:
+            self._check_tangents(("out",), (got,), named)
             return got
         n = len(self._results)
         if n == 1 and not isinstance(got, (tuple, list)):
-            return (got,)
+            got = (got,)
         if not isinstance(got, (tuple, list)) or len(got) != n:
             what = f"{len(got)} tangents" if isinstance(got, (tuple, list)) else f"one {type(got).__name__}"
             raise ValueError(
@@ -1055,7 +1056,32 @@ class Kernel:
                 "included (the backward reads them, and second order differentiates through them), "
                 "as a tuple in that order"
             )
+        self._check_tangents(self._results, got, named)
         return tuple(got)
+
+    def _check_tangents(self, results: Sequence[str], tangents: Sequence[Any], named: Mapping[str, Any]) -> None:
+        """Each tangent the jvp gave has its result's shape and dtype (a floating result's), else
+        an error naming the kernel and the result: torch would keep a tangent of another dtype,
+        jax's own errors name neither, and None is no tangent (a zero would make a second
+        derivative silently wrong, the backward reading a residual)."""
+        for r, t in zip(results, tangents, strict=True):
+            p = named[r]
+            of = "the result" if r == "out" else repr(r)
+            if t is None:
+                raise ValueError(
+                    f"{self.__name__}: its jvp gave None for the tangent of {of}: give an array of its "
+                    "shape and dtype (zeros where it does not depend on the inputs)"
+                )
+            shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
+            if shape is None or dtype is None or not _inexact(p.dtype):
+                continue
+            if tuple(shape) != tuple(p.shape) or dtype != p.dtype:
+                raise ValueError(
+                    f"{self.__name__}: its jvp gave the tangent of {of} with shape {tuple(shape)} and "
+                    f"dtype {_dtype_name(dtype)}, but {of} has shape {tuple(p.shape)} and dtype "
+                    f"{_dtype_name(p.dtype)}: the jvp gives each result's tangent in its shape and "
+                    "dtype, in the declared order"
+                )
 
     def _named_primal_results(self, named: dict[str, Any], outs: Sequence[Any]) -> None:
         """What a jvp reads of the results: each by name, ``out`` the first visible one."""
@@ -1741,6 +1767,19 @@ class Kernel:
             f"jacrev, a gradient of a gradient) cannot go through it{of}: give {name} a backward "
             "(dlbridge.kernels.kernel(..., backward=...), add_kernel's backward)"
         )
+
+
+def _inexact(dtype: Any) -> bool:
+    """Whether ``dtype`` (numpy's, jax's or torch's) is a floating or complex one (ml_dtypes'
+    bfloat16 is kind ``V``), whose tangent has the same dtype."""
+    kind = getattr(dtype, "kind", None)
+    if kind is not None:
+        return kind in "fcV"
+    return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _picker(visible: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
