@@ -814,6 +814,12 @@ class Kernel:
         # checked at every call of the compiled function, so the path reads little (the op binds
         # the arguments itself, defaults included).
         if self._compiling():
+            if _forward_ad._current_level >= 0:
+                # Forward-mode AD (torch.func.jvp, jacfwd, dual tensors) under torch.compile: the
+                # op's autograd has no jvp, so the compiled graph would drop the tangent (a silent
+                # zero; dynamo drops an autograd.Function's jvp too). The call runs eagerly, through
+                # the kernel's jvp: a graph break, which fullgraph=True refuses naming the kernel.
+                return self._eager_forward_ad(*args, **kwargs)
             # A Python number where the op takes a tensor (a scalar parameter missing from
             # `attrs`): said in the author's terms, not the schema's. Dynamo knows each argument's
             # type, so this costs no guard unless a number is passed (then the check is traced).
@@ -1293,6 +1299,20 @@ class Kernel:
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
         self._compiling = torch.compiler.is_compiling
+        self._eager_forward_ad = torch.compiler.disable(
+            self._call_eagerly,
+            reason=(
+                f"{self.__name__}: forward-mode AD (torch.func.jvp, jacfwd, hessian, dual tensors) of "
+                "a kernel under torch.compile: torch compiles no custom op's jvp (its tangent would "
+                "be dropped), so the call runs eagerly through the kernel's jvp, a graph break "
+                "(refused with fullgraph=True): compile without fullgraph=True, or apply the "
+                "forward-mode transform outside the compiled function"
+            ),
+        )
+
+    def _call_eagerly(self, *args: Any, **kwargs: Any) -> Any:
+        """The kernel's call outside torch.compile (what ``_eager_forward_ad`` wraps)."""
+        return self(*args, **kwargs)
 
     def _torch_op_names(self, torch: Any) -> tuple[str, str]:
         """The torch op's namespace and name, ``torch.ops.<namespace>.<name>``: the author's
@@ -1808,6 +1828,9 @@ class _SeveralResults(Kernel):
         if self._compiling():
             # As Kernel.__call__ under dynamo, reading as little (each read is a guard checked at
             # every compiled call): the op's overload, then the visible results.
+            if _forward_ad._current_level >= 0:
+                # Forward-mode AD: eagerly, through the kernel's jvp (see Kernel.__call__).
+                return self._eager_forward_ad(*args, **kwargs)
             for a in args:
                 if isinstance(a, (bool, int, float, complex)):
                     self._refuse_numbers_for_tensors(args, kwargs)

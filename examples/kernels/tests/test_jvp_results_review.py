@@ -2,8 +2,9 @@
 every tangent compared with the framework's own rms_norm under the transforms and layouts a
 caller uses (non-contiguous and stride-0 inputs, zeros, the same array twice, vmap with in_dims on
 the weight, an nn.Parameter under functional_call, linearize and linear_transpose), the residual
-never shown, and what cannot be right refused in the kernel's words: a jvp giving a tangent of
-the wrong dtype (torch kept a float32 tangent of a float64 result), the
+never shown, and what cannot be right refused in the kernel's words: forward mode under
+torch.compile (which ran the custom op, whose tangent torch drops: a silent zero tangent), and a
+jvp giving a tangent of the wrong dtype (torch kept a float32 tangent of a float64 result), the
 wrong shape (jit said "Cannot lower jaxpr with verifier errors") or None (torch: INTERNAL ASSERT)."""
 
 from __future__ import annotations
@@ -162,6 +163,50 @@ def test_torch_jvp_of_grad_and_hvp_through_the_jvp():
     # autograd.functional.jvp/hvp are reverse over reverse (the double-vjp trick): first order only
     with pytest.raises(RuntimeError, match=r"rms_norm_fm_backward: no autograd formula: .* first order only"):
         torch.autograd.functional.hvp(lambda a: (fm(a, w) ** 2).sum(), x, tx)
+
+
+# --- torch.compile with forward mode ---
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm_fm", "softmax"])
+def test_torch_compile_of_forward_mode_is_right_or_refused_in_the_kernels_words(kernel):
+    """Under torch.compile a kernel runs its torch op, whose autograd (register_autograd) has no
+    jvp: torch dropped the tangent, a silent zero (before: 3.9 off for rms_norm_fm). Forward mode
+    now runs the kernel eagerly (a graph break), which fullgraph=True refuses naming the kernel."""
+    x, w, tx, tw = t(4, 6), t(6, seed=1), t(4, 6, seed=2), t(6, seed=3)
+    if kernel == "softmax":
+        f, ref, primals, tangents = K.softmax, lambda a: torch.softmax(a, -1), (x,), (tx,)
+    else:
+        f, ref, primals, tangents = fm, t_ref, (x, w), (tx, tw)
+    expected = func.jvp(ref, primals, tangents)
+
+    def jvp(*a):
+        return func.jvp(f, a[: len(primals)], a[len(primals) :])
+
+    def jacfwd(*a):
+        return func.jacfwd(f, argnums=0)(*a)
+
+    def dual(*a):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(f(*[fwAD.make_dual(p, q) for p, q in zip(a[: len(primals)], a[len(primals) :])])).tangent
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(jvp)(*primals, *tangents), expected)
+    torch.testing.assert_close(torch.compile(dual)(*primals, *tangents), expected[1])
+    torch.testing.assert_close(torch.compile(jacfwd)(*primals), func.jacfwd(ref, argnums=0)(*primals))
+    for g in (jvp, dual):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=rf"{kernel}: forward-mode AD .* under torch\.compile"):
+            torch.compile(g, fullgraph=True)(*primals, *tangents)
+    # a kernel without a jvp: refused as eagerly (before: its tangent dropped, a silent zero)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"rms_norm: no forward-mode derivative|rms_norm: argument 'x' is a dual tensor"):
+        torch.compile(lambda a, b, c: func.jvp(lambda p: K.rms_norm(p, b, EPS), (a,), (c,)))(x, w, tx)
+    # reverse mode still compiles into one graph, with no graph break
+    torch._dynamo.reset()
+    xr = x.clone().requires_grad_()
+    torch.compile(lambda a: (f(a, w) if kernel != "softmax" else f(a)).pow(2).sum(), fullgraph=True)(xr).backward()
+    assert xr.grad is not None
 
 
 # --- jax: vmap with in_axes on the weight, linearize, linear_transpose ---
