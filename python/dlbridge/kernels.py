@@ -1606,6 +1606,16 @@ class Kernel:
                 f"(create_graph=True, gradgradcheck) is refused; give {name} a backward "
                 "(dlbridge.kernels.kernel(..., backward=...), add_kernel's backward) to differentiate twice"
             )
+        if self._jvp_of:
+            # Called by a kernel's jvp, not by the caller: a gradient of a tangent.
+            of = ", ".join(self._jvp_of)
+            return (
+                f"{name}: no autograd formula: {name} is the jvp of {of} and names no backward, so a "
+                f"tangent of {of} cannot be differentiated in reverse mode (a backward through a "
+                "forward-mode result, torch.func.grad of torch.func.jvp, an input that requires grad "
+                f"with a dual tensor): give {name} a backward (dlbridge.kernels.kernel(..., "
+                "backward=...), add_kernel's backward), or detach what requires grad before forward mode"
+            )
         return (
             f"{name}: no autograd formula: the kernel names no backward, so torch cannot "
             "differentiate through it (an input required grad); name one (dlbridge.kernels.kernel(..., "

@@ -113,8 +113,12 @@ def test_torch_dual_with_a_parameter_that_requires_grad_then_backward():
     p = torch.nn.Parameter(w.clone())
     with fwAD.dual_level():
         tangent = fwAD.unpack_dual(fm(fwAD.make_dual(x, tx), p)).tangent
-    with pytest.raises(RuntimeError, match=r"rms_norm_tangent: no autograd formula"):
+    # (before: "the kernel names no backward ... call it under torch.no_grad()", of a kernel the
+    # caller never called)
+    with pytest.raises(RuntimeError, match=r"rms_norm_tangent: no autograd formula: rms_norm_tangent is the jvp of rms_norm_fm .* a tangent of rms_norm_fm cannot be differentiated in reverse mode"):
         tangent.sum().backward()
+    with pytest.raises(RuntimeError, match=r"rms_norm_tangent is the jvp of rms_norm_fm"):
+        func.grad(lambda a: (func.jvp(lambda b: fm(b, w), (a,), (tx,))[1] ** 2).sum())(x)
 
 
 # --- torch.func: vmap with in_dims on the weight, a module's parameter ---
