@@ -814,6 +814,12 @@ class Kernel:
         # checked at every call of the compiled function, so the path reads little (the op binds
         # the arguments itself, defaults included).
         if self._compiling():
+            if _forward_ad._current_level >= 0:
+                # Forward-mode AD (torch.func.jvp, jacfwd, dual tensors) under torch.compile: the
+                # op's autograd has no jvp, so the compiled graph would drop the tangent (a silent
+                # zero; dynamo drops an autograd.Function's jvp too). The call runs eagerly, through
+                # the kernel's jvp: a graph break, which fullgraph=True refuses naming the kernel.
+                return self._eager_forward_ad(*args, **kwargs)
             # A Python number where the op takes a tensor (a scalar parameter missing from
             # `attrs`): said in the author's terms, not the schema's. Dynamo knows each argument's
             # type, so this costs no guard unless a number is passed (then the check is traced).
@@ -1043,10 +1049,11 @@ class Kernel:
             jk, jargs = jv
             got = jk(*[named[n] for n in jargs])
         if not self._results:
+            self._check_tangents(("out",), (got,), named)
             return got
         n = len(self._results)
         if n == 1 and not isinstance(got, (tuple, list)):
-            return (got,)
+            got = (got,)
         if not isinstance(got, (tuple, list)) or len(got) != n:
             what = f"{len(got)} tangents" if isinstance(got, (tuple, list)) else f"one {type(got).__name__}"
             raise ValueError(
@@ -1055,7 +1062,32 @@ class Kernel:
                 "included (the backward reads them, and second order differentiates through them), "
                 "as a tuple in that order"
             )
+        self._check_tangents(self._results, got, named)
         return tuple(got)
+
+    def _check_tangents(self, results: Sequence[str], tangents: Sequence[Any], named: Mapping[str, Any]) -> None:
+        """Each tangent the jvp gave has its result's shape and dtype (a floating result's), else
+        an error naming the kernel and the result: torch would keep a tangent of another dtype,
+        jax's own errors name neither, and None is no tangent (a zero would make a second
+        derivative silently wrong, the backward reading a residual)."""
+        for r, t in zip(results, tangents, strict=True):
+            p = named[r]
+            of = "the result" if r == "out" else repr(r)
+            if t is None:
+                raise ValueError(
+                    f"{self.__name__}: its jvp gave None for the tangent of {of}: give an array of its "
+                    "shape and dtype (zeros where it does not depend on the inputs)"
+                )
+            shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
+            if shape is None or dtype is None or not _inexact(p.dtype):
+                continue
+            if tuple(shape) != tuple(p.shape) or dtype != p.dtype:
+                raise ValueError(
+                    f"{self.__name__}: its jvp gave the tangent of {of} with shape {tuple(shape)} and "
+                    f"dtype {_dtype_name(dtype)}, but {of} has shape {tuple(p.shape)} and dtype "
+                    f"{_dtype_name(p.dtype)}: the jvp gives each result's tangent in its shape and "
+                    "dtype, in the declared order"
+                )
 
     def _named_primal_results(self, named: dict[str, Any], outs: Sequence[Any]) -> None:
         """What a jvp reads of the results: each by name, ``out`` the first visible one."""
@@ -1267,6 +1299,20 @@ class Kernel:
         _torch_seen(torch)
         self._overload = getattr(namespace, opname).default
         self._compiling = torch.compiler.is_compiling
+        self._eager_forward_ad = torch.compiler.disable(
+            self._call_eagerly,
+            reason=(
+                f"{self.__name__}: forward-mode AD (torch.func.jvp, jacfwd, hessian, dual tensors) of "
+                "a kernel under torch.compile: torch compiles no custom op's jvp (its tangent would "
+                "be dropped), so the call runs eagerly through the kernel's jvp, a graph break "
+                "(refused with fullgraph=True): compile without fullgraph=True, or apply the "
+                "forward-mode transform outside the compiled function"
+            ),
+        )
+
+    def _call_eagerly(self, *args: Any, **kwargs: Any) -> Any:
+        """The kernel's call outside torch.compile (what ``_eager_forward_ad`` wraps)."""
+        return self(*args, **kwargs)
 
     def _torch_op_names(self, torch: Any) -> tuple[str, str]:
         """The torch op's namespace and name, ``torch.ops.<namespace>.<name>``: the author's
@@ -1560,6 +1606,16 @@ class Kernel:
                 f"(create_graph=True, gradgradcheck) is refused; give {name} a backward "
                 "(dlbridge.kernels.kernel(..., backward=...), add_kernel's backward) to differentiate twice"
             )
+        if self._jvp_of:
+            # Called by a kernel's jvp, not by the caller: a gradient of a tangent.
+            of = ", ".join(self._jvp_of)
+            return (
+                f"{name}: no autograd formula: {name} is the jvp of {of} and names no backward, so a "
+                f"tangent of {of} cannot be differentiated in reverse mode (a backward through a "
+                "forward-mode result, torch.func.grad of torch.func.jvp, an input that requires grad "
+                f"with a dual tensor): give {name} a backward (dlbridge.kernels.kernel(..., "
+                "backward=...), add_kernel's backward), or detach what requires grad before forward mode"
+            )
         return (
             f"{name}: no autograd formula: the kernel names no backward, so torch cannot "
             "differentiate through it (an input required grad); name one (dlbridge.kernels.kernel(..., "
@@ -1743,6 +1799,19 @@ class Kernel:
         )
 
 
+def _inexact(dtype: Any) -> bool:
+    """Whether ``dtype`` (numpy's, jax's or torch's) is a floating or complex one (ml_dtypes'
+    bfloat16 is kind ``V``), whose tangent has the same dtype."""
+    kind = getattr(dtype, "kind", None)
+    if kind is not None:
+        return kind in "fcV"
+    return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _picker(visible: tuple[int, ...]) -> Callable[[Sequence[Any]], Any]:
     """What a kernel with several results returns of the raw results: the visible one, or a tuple
     of the visible ones (a plain function: dynamo inlines it)."""
@@ -1769,6 +1838,9 @@ class _SeveralResults(Kernel):
         if self._compiling():
             # As Kernel.__call__ under dynamo, reading as little (each read is a guard checked at
             # every compiled call): the op's overload, then the visible results.
+            if _forward_ad._current_level >= 0:
+                # Forward-mode AD: eagerly, through the kernel's jvp (see Kernel.__call__).
+                return self._eager_forward_ad(*args, **kwargs)
             for a in args:
                 if isinstance(a, (bool, int, float, complex)):
                     self._refuse_numbers_for_tensors(args, kwargs)
