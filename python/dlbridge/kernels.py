@@ -643,11 +643,6 @@ class Kernel:
             raise ValueError(f"kernel {name}: out={out!r} and results=: declare the results in one of them")
         if self._mutates:
             raise ValueError(f"kernel {name}: results= with mutates=: a kernel with several results writes no argument")
-        if self._counted:
-            raise ValueError(
-                f"kernel {name}: results= with optional= or lists=: the result rules read one shape per "
-                "tensor parameter; give such a kernel one result (out=)"
-            )
         if not callable(rule):
             raise ValueError(f"kernel {name}: results= needs result_rule=, each result's shape and dtype")
         names: tuple[str, ...] = tuple(results)
@@ -670,9 +665,31 @@ class Kernel:
 
     def _result_types(self, tensors: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[tuple[int, ...], str]]:
         """Each result's (shape, dtype name) by the result rule, for arrays or tensors (fake ones
-        included) in parameter order."""
-        shapes = [tuple(int(d) for d in t.shape) for t in tensors]
-        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        included), one per tensor parameter: a tensor, an optional one's None when absent, a
+        list's list (the rule reads each as such)."""
+
+        def shape(t: Any) -> tuple[int, ...]:
+            return tuple(int(d) for d in t.shape)
+
+        def dtype(t: Any) -> str:
+            return str(t.dtype).removeprefix("torch.")
+
+        if self._counted:
+            shapes: list[Any] = []
+            dtypes: list[Any] = []
+            for k, t in zip(self._kinds, tensors, strict=True):
+                if k == 2:
+                    shapes.append([shape(e) for e in t])
+                    dtypes.append([dtype(e) for e in t])
+                elif t is None:
+                    shapes.append(None)
+                    dtypes.append(None)
+                else:
+                    shapes.append(shape(t))
+                    dtypes.append(dtype(t))
+        else:
+            shapes = [shape(t) for t in tensors]
+            dtypes = [dtype(t) for t in tensors]
         rule = self._result_rule
         assert rule is not None  # results= needs it (checked at declaration)
         made = list(rule(shapes, dtypes, dict(attrs)))
@@ -1214,9 +1231,15 @@ class Kernel:
             def fake_several(*vals: Any, **kw: Any) -> Any:
                 # torch may pass the scalar arguments by keyword.
                 bound = self._bind(vals, kw) if kw or len(vals) < len(params) else vals
-                made = self._result_types([bound[i] for i in tensor_idx], {params[i]: bound[i] for i in attr_idx})
-                x = bound[tensor_idx[0]]
-                outs = tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                per = [bound[i] for i in tensor_idx]
+                made = self._result_types(per, {params[i]: bound[i] for i in attr_idx})
+                # On the first tensor argument's device (an optional's or a list's first where the
+                # parameters before it are such; none at all: torch's default).
+                flat = self._flatten(bound)[0] if self._counted else [bound[tensor_idx[0]]]
+                if flat:
+                    outs = tuple(flat[0].new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                else:
+                    outs = tuple(torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
                 return outs[0] if len(outs) == 1 else outs
 
             fake = fake_several
@@ -1455,7 +1478,7 @@ class Kernel:
         params, tensor_idx, attr_idx, kinds = self._params, self._tensor_idx, self._attr_idx, self._kinds
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            flat, counts = self._flatten(inputs)
+            flat, counts = self._flatten(_full_inputs(self, inputs))
             ctx.save_for_backward(*flat, output)
             ctx.dlbridge_counts = counts
             ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
@@ -1468,33 +1491,41 @@ class Kernel:
             named["grad"] = grad.contiguous()
             named.update(ctx.dlbridge_attrs)
             grads = self._run_backward(named)
-            result: list[Any] = [None] * len(params)
-            for i, k, v in zip(tensor_idx, kinds, per, strict=True):
-                g = grads.get(params[i])
-                if k == 2:
-                    gs = [None] * len(v) if g is None else list(g)
-                    if len(gs) != len(v):
-                        raise ValueError(
-                            f"{self.__name__}: the backward gave {len(gs)} gradients for {params[i]!r}, a list of {len(v)} tensors"
-                        )
-                    result[i] = gs
-                else:
-                    result[i] = None if v is None else g
-            if torch.is_grad_enabled():
-                # create_graph=True: a gradient without a graph is refused at the second backward.
-                flat_in = [grad, *saved]
-                out: list[Any] = []
-                for i, r in enumerate(result):
-                    if isinstance(r, list):
-                        out.append(list(self._first_order_only(torch, tuple(r), tuple(flat_in))))
-                    else:
-                        out.append(r)
-                single = [r if not isinstance(r, list) else None for r in out]
-                single = list(self._first_order_only(torch, tuple(single), tuple(flat_in)))
-                result = [o if isinstance(o, list) else single[j] for j, o in enumerate(out)]
-            return _fit_inputs(ctx, tuple(result))
+            return _fit_inputs(ctx, self._counted_grads(torch, grads, per, (grad, *saved)))
 
         return setup_context, backward
+
+    def _counted_grads(self, torch: Any, grads: Mapping[str, Any], per: Sequence[Any], flat_in: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A torch backward's gradients, one per parameter, of a kernel with optional or list
+        parameters: from ``grads`` (the kernel's backward's, by name) and ``per`` (each tensor
+        parameter's argument: None for an absent optional, a list for a list), a list of
+        gradients for a list parameter and None for an absent optional. Under create_graph=True a
+        gradient without a graph is refused (``_first_order_only``) against ``flat_in``."""
+        params, tensor_idx, kinds = self._params, self._tensor_idx, self._kinds
+        result: list[Any] = [None] * len(params)
+        for i, k, v in zip(tensor_idx, kinds, per, strict=True):
+            g = grads.get(params[i])
+            if k == 2:
+                gs = [None] * len(v) if g is None else list(g)
+                if len(gs) != len(v):
+                    raise ValueError(
+                        f"{self.__name__}: the backward gave {len(gs)} gradients for {params[i]!r}, a list of {len(v)} tensors"
+                    )
+                result[i] = gs
+            else:
+                result[i] = None if v is None else g
+        if torch.is_grad_enabled():
+            # create_graph=True: a gradient without a graph is refused at the second backward.
+            out: list[Any] = []
+            for r in result:
+                if isinstance(r, list):
+                    out.append(list(self._first_order_only(torch, tuple(r), flat_in)))
+                else:
+                    out.append(r)
+            single = [r if not isinstance(r, list) else None for r in out]
+            single = list(self._first_order_only(torch, tuple(single), flat_in))
+            result = [o if isinstance(o, list) else single[j] for j, o in enumerate(out)]
+        return tuple(result)
 
     def _autograd_rules_several(self, torch: Any, residual_tangents: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``setup_context`` and ``backward`` of a kernel with several results: every result (the
@@ -1502,26 +1533,40 @@ class Kernel:
         ``residual_tangents`` (their cotangent is then zero, as the caller never sees them)."""
         params, tensor_idx = self._params, self._tensor_idx
         n_in = len(tensor_idx)
-        residual_idx = [] if residual_tangents else [i for i in range(len(self._results)) if i not in self._visible]
+        n_out = len(self._results)
+        counted = self._counted
+        residual_idx = [] if residual_tangents else [i for i in range(n_out) if i not in self._visible]
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             output = self._all_results(output)  # (one result: the op returns it alone)
-            ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
+            if counted:
+                # Optional and list parameters: the tensors saved flat, with their counts.
+                flat, ctx.dlbridge_counts = self._flatten(_full_inputs(self, inputs))
+                ctx.save_for_backward(*flat, *output)
+            else:
+                ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
             ctx.dlbridge_attrs = self._attr_dict(inputs)
             if residual_idx:
                 ctx.mark_non_differentiable(*[output[i] for i in residual_idx])
 
         def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
             saved = ctx.saved_tensors
-            named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, saved[:n_in], strict=True)}
-            outs = [o.contiguous() for o in saved[n_in:]]
+            ins, outs = saved[: len(saved) - n_out], [o.contiguous() for o in saved[len(saved) - n_out :]]
+            if counted:
+                per = self._unflatten([t.contiguous() for t in ins], ctx.dlbridge_counts)
+                named = {params[i]: v for i, v in zip(tensor_idx, per, strict=True)}
+            else:
+                named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, ins[:n_in], strict=True)}
             gs = [torch.zeros_like(o) if g is None else g.contiguous() for g, o in zip(grads, outs, strict=True)]
             self._named_results(named, outs, gs)
             named.update(ctx.dlbridge_attrs)
             got = self._run_backward(named)
+            flat_in = (*[g for g in grads if g is not None], *saved)
+            if counted:
+                return _fit_inputs(ctx, self._counted_grads(torch, got, per, flat_in))
             result = tuple(got.get(n) if i in tensor_idx else None for i, n in enumerate(params))
             if torch.is_grad_enabled():
-                result = self._first_order_only(torch, result, (*[g for g in grads if g is not None], *saved))
+                result = self._first_order_only(torch, result, flat_in)
             return _fit_inputs(ctx, result)
 
         return setup_context, backward
@@ -1636,7 +1681,7 @@ class Kernel:
         tensors = [jnp.asarray(t) for t in tensors]
         out = self._out
         if self._results:
-            made = self._result_types(tensors, dict(attrs))
+            made = self._result_types(self._unflatten(tensors, attrs) if self._counted else tensors, dict(attrs))
             types = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in made]
             call = jax.ffi.ffi_call(self._target, types, vmap_method=self._vmap_method)
             return tuple(call(*tensors, **self._ffi_attrs(attrs)))
@@ -1821,6 +1866,13 @@ def _checked_class(cls: type) -> type:
         checked.__qualname__ = cls.__qualname__
         _CHECKED_CLASSES[cls] = checked
     return checked
+
+
+def _full_inputs(kernel: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A torch op's ``inputs`` one per parameter: a call that leaves out trailing defaulted
+    arguments (``Tensor? bias=None``) has fewer (see ``_fit_inputs``); theirs are the defaults."""
+    n = len(inputs)
+    return inputs if n >= len(kernel._params) else (*inputs, *kernel._defaults[n:])
 
 
 def _fit_inputs(ctx: Any, result: tuple[Any, ...]) -> tuple[Any, ...]:
