@@ -54,7 +54,8 @@ torch.func's style (``setup_context``) with the same backward, or the same refus
 
 Several results: ``results`` names them, in the order the function returns them (a tuple) and the
 handler writes them; ``result_rule(shapes, dtypes, attrs) -> [(shape, dtype), ...]`` gives each
-one's shape and dtype from the tensor arguments' shapes and dtypes (numpy names) and the
+one's shape and dtype from the tensor arguments' shapes and dtypes (numpy names), one entry per
+tensor parameter (an optional one's None when absent, a list's a list of its items'), and the
 attributes (``add_kernel`` makes it from ``KernelDef.results``' Rust rules). jax's ``ffi_call``
 result types and the torch op's fake results come from it. Those named in ``residuals`` are saved
 by the forward and handed to the backward (by name), never returned to the caller: the raw ops
