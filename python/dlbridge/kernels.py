@@ -84,8 +84,10 @@ function's default is None); those in ``lists`` a list or tuple of tensors (``Te
 gives none, and each optional or list parameter adds an int64 attribute ``<name>.count`` (the
 handler declares them: ``xla_handler!(fn h(call, operands: [tensor("x"), optional("bias")], ..))``).
 A backward reads them as the function does (None, a list) and gives a list of gradients for a
-list (one per item); an absent optional's gradient is None. ``torch.func`` transforms of a kernel
-with a list are refused (an ``autograd.Function`` does not see tensors inside a list).
+list (one per item); an absent optional's gradient is None. Under ``torch.func`` transforms and
+forward-mode AD, the ``autograd.Function`` takes each item of a list as an input of its own (flat,
+with the lists' lengths), so ``grad``, ``jacrev``, ``vmap`` and, with a jvp, ``jvp``/``jacfwd`` see
+them; a jvp reads a list's tangent as a list.
 
 Names: the torch op is ``torch.ops.<namespace>.<name>`` and the XLA FFI target
 ``<namespace>.<name>``, named by ``name=`` and ``namespace=`` or, by default, the function's name
@@ -534,6 +536,8 @@ class Kernel:
         # Whether any tensor parameter is optional or a list: the calls that pass operands flat
         # (jax's ffi_call) then add a count attribute "<parameter>.count" for each.
         self._counted = any(self._kinds)
+        # The list parameters' indices (torch.func's autograd.Function takes their items flat).
+        self._list_idx = frozenset(i for i, n in enumerate(self._params) if n in self._lists)
 
     def _flatten(self, vals: Sequence[Any]) -> tuple[list[Any], tuple[tuple[str, int], ...]]:
         """The tensor arguments of ``vals`` (one per parameter) as a flat list (a list's items in
@@ -993,7 +997,11 @@ class Kernel:
 
     def _has_tangent(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
         """Inside a forward-AD dual level: whether a tensor argument carries a tangent."""
-        return any(self._tangent_of(a) for a in [*args, *kwargs.values()])
+        return any(
+            self._tangent_of(e)
+            for a in [*args, *kwargs.values()]
+            for e in (a if isinstance(a, (list, tuple)) else (a,))
+        )
 
     @staticmethod
     def _tangent_of(a: Any) -> bool:
@@ -1010,7 +1018,7 @@ class Kernel:
         """Inside a forward-AD dual level, a tensor with a tangent is refused by a kernel without a
         jvp: the eager function would drop the tangent silently (torch's own custom op does)."""
         for n, a in [*zip(self._params, args), *kwargs.items()]:
-            if self._tangent_of(a):
+            if any(self._tangent_of(e) for e in (a if isinstance(a, (list, tuple)) else (a,))):
                 raise RuntimeError(
                     f"{self.__name__}: argument {n!r} is a dual tensor (forward-mode AD), but the kernel "
                     "names no jvp (no forward-mode derivative), so its tangent would be dropped: give it "
@@ -1122,14 +1130,6 @@ class Kernel:
                     self._refuse_grad_in_place(vals, {})
                 op(*vals)
                 return vals[self._mutated_idx]
-            if (forward_ad or _functorch_level() is not None) and self._lists:
-                # An autograd.Function sees no tensor inside a list: the gradients of the items
-                # would be lost. Refused, not silently wrong.
-                raise NotImplementedError(
-                    f"{self.__name__}: torch.func transforms (grad, jacrev, jvp, vmap) and forward-mode AD "
-                    f"of a kernel with a list of tensors ({', '.join(self._lists)}) are not supported: use "
-                    "torch.autograd (loss.backward(), torch.autograd.grad) or torch.compile"
-                )
             if forward_ad or _functorch_level() is not None:
                 # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
                 # without setup_context, which torch.func refuses; this one has it (and the op's
@@ -1137,6 +1137,11 @@ class Kernel:
                 # its jvp, which a custom op cannot have.
                 if self._func is None:
                     self._func = self._make_func(sys.modules["torch"])
+                if self._lists:
+                    # Each item of a list an input of its own (an autograd.Function sees no
+                    # tensor inside a list).
+                    spec, flat = self._flat_lists(vals)
+                    return self._func.apply(spec, *flat)
                 return self._func.apply(*vals)
             return op(*vals)
         except (RuntimeError, TypeError, AttributeError):
@@ -1402,25 +1407,45 @@ class Kernel:
         if self._jvp is not None:
             several = bool(self._results)
             n_in = len(tensor_idx)
+            lists = bool(self._lists)
 
             def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
                 setup_backward(ctx, inputs, output)
                 outs = self._all_results(output) if several else (output,)
-                ctx.save_for_forward(*[inputs[i] for i in tensor_idx], *outs)
+                if lists:
+                    # A list's items saved flat (with the counts), as the backward saves them.
+                    flat, ctx.dlbridge_jvp_counts = self._flatten(_full_inputs(self, inputs))
+                    ctx.dlbridge_jvp_n = len(flat)
+                    ctx.save_for_forward(*flat, *outs)
+                else:
+                    ctx.save_for_forward(*[inputs[i] for i in tensor_idx], *outs)
                 ctx.dlbridge_jvp_attrs = self._attr_dict(inputs)
 
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 saved = ctx.saved_tensors
-                named = {params[i]: t if t is None else t.contiguous() for i, t in zip(tensor_idx, saved[:n_in], strict=True)}
-                outs = [o.contiguous() for o in saved[n_in:]]
+                n = ctx.dlbridge_jvp_n if lists else n_in
+                ins = saved[:n]
+                per = self._unflatten(ins, ctx.dlbridge_jvp_counts) if lists else list(ins)
+                contiguous = lambda t: t if t is None else t.contiguous()  # noqa: E731
+                named = {
+                    params[i]: [contiguous(e) for e in t] if isinstance(t, list) else contiguous(t)
+                    for i, t in zip(tensor_idx, per, strict=True)
+                }
+                outs = [o.contiguous() for o in saved[n:]]
                 if several:
                     self._named_primal_results(named, outs)
                 else:
                     named["out"] = outs[0]
-                for i, t in zip(tensor_idx, saved[:n_in], strict=True):
+                for i, t in zip(tensor_idx, per, strict=True):
                     d = tangents[i]
                     if t is None:  # an absent optional tensor: no tangent either
                         named[params[i]] = named[f"tangent_{params[i]}"] = None
+                        continue
+                    if isinstance(t, list):  # a list: one tangent per item
+                        ds = [None] * len(t) if d is None else list(d)
+                        named[f"tangent_{params[i]}"] = [
+                            torch.zeros_like(e) if de is None else de.contiguous() for e, de in zip(t, ds, strict=True)
+                        ]
                         continue
                     named[f"tangent_{params[i]}"] = torch.zeros_like(t) if d is None else d.contiguous()
                 named.update(ctx.dlbridge_jvp_attrs)
@@ -1430,6 +1455,8 @@ class Kernel:
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 raise RuntimeError(self._no_jvp_message())
 
+        if self._lists:
+            return self._flat_func(torch, setup_context, backward, jvp)
         return type(
             f"{self._op_name}_function",
             (torch.autograd.Function,),
@@ -1439,6 +1466,80 @@ class Kernel:
                 "setup_context": staticmethod(setup_context),
                 "backward": staticmethod(backward),
                 "jvp": staticmethod(jvp),
+            },
+        )
+
+    def _flat_lists(self, vals: Sequence[Any]) -> tuple[tuple[int, ...], list[Any]]:
+        """``vals`` (one per parameter) with each list's items in its place, flat, and each
+        list's length: what ``_flat_func``'s ``autograd.Function`` takes, so torch.func sees
+        every item as an input of its own."""
+        spec: list[int] = []
+        flat: list[Any] = []
+        for i, v in enumerate(vals):
+            if i in self._list_idx:
+                if not isinstance(v, (list, tuple)):
+                    self._flatten(vals)  # refused there, in the author's terms
+                spec.append(len(v))
+                flat.extend(v)
+            else:
+                flat.append(v)
+        return tuple(spec), flat
+
+    def _unflat_lists(self, spec: Sequence[int], flat: Sequence[Any]) -> list[Any]:
+        """``_flat_lists``'s inverse: one value per parameter, each list a list."""
+        vals: list[Any] = []
+        counts = iter(spec)
+        at = 0
+        for i in range(len(self._params)):
+            if i in self._list_idx:
+                c = next(counts)
+                vals.append(list(flat[at : at + c]))
+                at += c
+            else:
+                vals.append(flat[at])
+                at += 1
+        return vals
+
+    def _flat_func(self, torch: Any, setup_context: Any, backward: Any, jvp: Any) -> Any:
+        """``_make_func``'s ``autograd.Function`` for a kernel with list parameters: it takes
+        ``(spec, *flat)`` (``_flat_lists``), so each item of a list is an input torch.func
+        differentiates and batches; the rules run on the values one per parameter, and each
+        list's gradients (tangents) go back to its items."""
+        overload = self._overload
+        list_idx = self._list_idx
+
+        def forward(spec: tuple[int, ...], *flat: Any) -> Any:
+            return overload(*self._unflat_lists(spec, flat))
+
+        def flat_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.dlbridge_spec = inputs[0]
+            setup_context(ctx, tuple(self._unflat_lists(inputs[0], inputs[1:])), output)
+
+        def flat_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            per = backward(ctx, *grads)
+            out: list[Any] = [None]
+            counts = iter(ctx.dlbridge_spec)
+            for i in range(len(self._params)):
+                g = per[i] if i < len(per) else None
+                if i in list_idx:
+                    c = next(counts)
+                    out.extend([None] * c if g is None else g)
+                else:
+                    out.append(g)
+            return tuple(out)
+
+        def flat_jvp(ctx: Any, *tangents: Any) -> Any:
+            return jvp(ctx, *self._unflat_lists(ctx.dlbridge_spec, tangents[1:]))
+
+        return type(
+            f"{self._op_name}_function",
+            (torch.autograd.Function,),
+            {
+                "generate_vmap_rule": True,
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(flat_setup_context),
+                "backward": staticmethod(flat_backward),
+                "jvp": staticmethod(flat_jvp),
             },
         )
 
@@ -1518,9 +1619,10 @@ class Kernel:
         if torch.is_grad_enabled():
             # create_graph=True: a gradient without a graph is refused at the second backward.
             out: list[Any] = []
-            for r in result:
+            for i, r in enumerate(result):
                 if isinstance(r, list):
-                    out.append(list(self._first_order_only(torch, tuple(r), flat_in)))
+                    items = [f"{params[i]}[{j}]" for j in range(len(r))]
+                    out.append(list(self._first_order_only(torch, tuple(r), flat_in, items)))
                 else:
                     out.append(r)
             single = [r if not isinstance(r, list) else None for r in out]
@@ -1572,7 +1674,9 @@ class Kernel:
 
         return setup_context, backward
 
-    def _first_order_only(self, torch: Any, result: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _first_order_only(
+        self, torch: Any, result: tuple[Any, ...], inputs: tuple[Any, ...], names: Sequence[str] | None = None
+    ) -> tuple[Any, ...]:
         """Under create_graph=True, a gradient the backward returned cut off from autograd (a plain
         function's result: it does not require grad while the backward's inputs do) becomes the
         output of a node whose inputs are the backward's and whose backward raises, instead of
@@ -1588,7 +1692,7 @@ class Kernel:
             if isinstance(g, torch.Tensor) and not g.requires_grad:
                 message = (
                     f"{self.__name__}: its gradient is first order only: its backward returned the "
-                    f"gradient of {self._params[j]!r} without a graph, so it cannot be differentiated "
+                    f"gradient of {(names or self._params)[j]!r} without a graph, so it cannot be differentiated "
                     "again (double backward, create_graph=True, gradgradcheck); write the backward with "
                     "differentiable operations (torch ops, or kernels that name a backward of their own)"
                 )
@@ -1898,8 +2002,9 @@ def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     wrapped = functorch.is_functorch_wrapped_tensor
     legacy = getattr(functorch, "is_legacy_batchedtensor", None)
     return any(
-        isinstance(a, torch.Tensor) and (wrapped(a) or (legacy is not None and legacy(a)))
+        isinstance(e, torch.Tensor) and (wrapped(e) or (legacy is not None and legacy(e)))
         for a in [*args, *kwargs.values()]
+        for e in (a if isinstance(a, (list, tuple)) else (a,))  # a list's items too
     )
 
 

@@ -373,3 +373,79 @@ def test_help_shows_both_results():
     assert "bias: Tensor | None = None" in sig and sig.endswith("-> (Tensor y, Tensor total)"), sig
     sig = str(K.stack_sums.__signature__).replace("'", "")
     assert "xs: list[Tensor]" in sig and sig.endswith("-> (Tensor stacked, Tensor sums)"), sig
+
+
+# --- torch.func through a list: each item an input of its own ---
+
+
+def stack_ref(torch, l):
+    s = torch.stack(l)
+    return s, s.sum(-1)
+
+
+def test_torch_func_grad_vmap_and_jacrev_through_a_list(torch):
+    xs = [torch.from_numpy(a) for a in items()]
+
+    def loss(f, l):
+        s, sums = f(l)
+        return (s * s).sum() + sums.sin().sum()
+
+    got = torch.func.grad(lambda l: loss(K.stack_sums, l))(xs)
+    expect = torch.func.grad(lambda l: loss(lambda l: stack_ref(torch, l), l))(xs)
+    assert len(got) == len(xs)
+    for a, r in zip(got, expect, strict=True):
+        torch.testing.assert_close(a, r)
+    batched = [torch.stack([t, 2 * t]) for t in xs]
+    got = torch.func.vmap(torch.func.grad(lambda l: loss(K.stack_sums, l)))(batched)
+    expect = torch.func.vmap(torch.func.grad(lambda l: loss(lambda l: stack_ref(torch, l), l)))(batched)
+    for a, r in zip(got, expect, strict=True):
+        torch.testing.assert_close(a, r)
+    s, sums = torch.func.vmap(K.stack_sums)(batched)
+    torch.testing.assert_close(s, torch.stack(batched, 1))
+    torch.testing.assert_close(sums, torch.stack(batched, 1).sum(-1))
+    jac = torch.func.jacrev(lambda l: K.stack_sums(l)[1])(xs)
+    expect = torch.func.jacrev(lambda l: stack_ref(torch, l)[1])(xs)
+    for a, r in zip(jac, expect, strict=True):
+        torch.testing.assert_close(a, r)
+    # Forward mode needs a jvp: refused in the kernel's terms, a list's dual items too.
+    tangents = [torch.ones(5) for _ in xs]
+    with pytest.raises(RuntimeError, match="stack_sums: no forward-mode derivative"):
+        torch.func.jvp(K.stack_sums, (xs,), (tangents,))
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="argument 'xs' is a dual tensor"):
+        K.stack_sums([fwAD.make_dual(a, t) for a, t in zip(xs, tangents, strict=True)])
+
+
+def test_torch_forward_mode_through_a_list_with_a_jvp(torch):
+    """stack_sums is linear: its jvp is itself applied to the tangents (a list, one per item)."""
+    k = dlbridge.kernels.kernel(
+        K.stack_sums.__wrapped__,
+        name="stack_sums_jvp",
+        namespace="dlbridge_results_params_test",
+        lists=["xs"],
+        ffi=K.stack_sums._ffi,
+        results=("stacked", "sums"),
+        result_rule=K.stack_sums._result_rule,
+        backward=K.stack_sums._backward,
+        jvp=lambda named: K.stack_sums(named["tangent_xs"]),
+    )
+    g = np.random.default_rng(3)
+    xs = [torch.from_numpy(a) for a in items()]
+    ts = [torch.from_numpy(g.standard_normal(5).astype(np.float32)) for _ in xs]
+    (s, sums), (ds, dsums) = torch.func.jvp(k, (xs,), (ts,))
+    torch.testing.assert_close(s, torch.stack(xs))
+    torch.testing.assert_close(ds, torch.stack(ts))
+    torch.testing.assert_close(dsums, torch.stack(ts).sum(-1))
+    jac = torch.func.jacfwd(lambda l: k(l)[1].sin())(xs)
+    expect = torch.func.jacfwd(lambda l: stack_ref(torch, l)[1].sin())(xs)
+    for a, r in zip(jac, expect, strict=True):
+        torch.testing.assert_close(a, r)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        out = k([fwAD.make_dual(a, t) for a, t in zip(xs, ts, strict=True)])
+        torch.testing.assert_close(fwAD.unpack_dual(out[1]).tangent, torch.stack(ts).sum(-1))
+    # Second order needs a jvp of the backward's kernel: refused in its terms.
+    with pytest.raises(RuntimeError, match="stack_sums_backward: no forward-mode derivative"):
+        torch.func.hessian(lambda x: k([x, x])[1].sin().sum())(xs[0])
