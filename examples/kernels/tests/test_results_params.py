@@ -417,11 +417,12 @@ def test_torch_func_grad_vmap_and_jacrev_through_a_list(torch):
         K.stack_sums([fwAD.make_dual(a, t) for a, t in zip(xs, tangents, strict=True)])
 
 
-def test_torch_forward_mode_through_a_list_with_a_jvp(torch):
-    """stack_sums is linear: its jvp is itself applied to the tangents (a list, one per item)."""
-    k = dlbridge.kernels.kernel(
+def stack_sums_with_jvp(name):
+    """stack_sums declared with a jvp: it is linear, so its jvp is itself applied to the tangents
+    (a list, one per item)."""
+    return dlbridge.kernels.kernel(
         K.stack_sums.__wrapped__,
-        name="stack_sums_jvp",
+        name=name,
         namespace="dlbridge_results_params_test",
         lists=["xs"],
         ffi=K.stack_sums._ffi,
@@ -430,6 +431,24 @@ def test_torch_forward_mode_through_a_list_with_a_jvp(torch):
         backward=K.stack_sums._backward,
         jvp=lambda named: K.stack_sums(named["tangent_xs"]),
     )
+
+
+def test_jax_forward_mode_through_a_list_with_a_jvp(jax):
+    jnp = jax.numpy
+    k = stack_sums_with_jvp("stack_sums_jvp_jax")
+    xs = [jnp.asarray(a) for a in items()]
+    ts = [jnp.full(5, float(i), jnp.float32) for i in range(len(xs))]
+    (s, sums), (ds, dsums) = jax.jvp(k, (xs,), (ts,))
+    close((s, sums, ds, dsums), (*ref_stack_sums([np.asarray(a) for a in xs]), np.stack(ts), np.stack(ts).sum(-1)))
+    got = jax.jit(jax.jacfwd(lambda l: jnp.sin(k(l)[1])))(xs)
+    expect = jax.jacfwd(lambda l: jnp.sin(jnp.stack(l).sum(-1)))(xs)
+    close(got, expect)
+    with pytest.raises(TypeError, match="stack_sums: no forward-mode derivative"):
+        jax.jvp(K.stack_sums, (xs,), (ts,))
+
+
+def test_torch_forward_mode_through_a_list_with_a_jvp(torch):
+    k = stack_sums_with_jvp("stack_sums_jvp")
     g = np.random.default_rng(3)
     xs = [torch.from_numpy(a) for a in items()]
     ts = [torch.from_numpy(g.standard_normal(5).astype(np.float32)) for _ in xs]
