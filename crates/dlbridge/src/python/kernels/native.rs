@@ -535,6 +535,26 @@ mod tests {
     }
 
     #[test]
+    fn several_results_with_optional_and_list_parameters_make_a_tuple_schema() {
+        use super::super::results::{ParamShape, ResultDType, ResultDef, resolve};
+        fn count(p: &[ParamShape<'_>], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+            Ok(vec![p[1].list().map_or(0, <[_]>::len) as i64])
+        }
+        let p = params(&["x", "xs", "bias"]);
+        let results = [ResultDef::like("y", "x"), ResultDef::param_rule("n", count, ResultDType::Like("x"))];
+        let mut d = decl(None, &[], &[]);
+        d.optional = vec!["bias".into()];
+        d.lists = vec!["xs".into()];
+        d.results = resolve("k", &p, &[], (&["bias"], &["xs"]), &results).unwrap();
+        let op = d.op("k", &p, &[("bias".to_owned(), ScalarDefault::NoTensor)]).unwrap();
+        assert_eq!(
+            op.signature.schema().unwrap(),
+            "k(Tensor x, Tensor[] xs, Tensor? bias=None) -> (Tensor, Tensor)"
+        );
+        assert!(matches!(op.out, Some(OutRule::Dyn(_))));
+    }
+
+    #[test]
     fn what_the_native_op_cannot_say_is_unsupported() {
         let two = decl(None, &[], &["x", "y"]);
         let e = two.op("k", &params(&["x", "y"]), &[]).unwrap_err();
