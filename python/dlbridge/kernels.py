@@ -54,7 +54,8 @@ torch.func's style (``setup_context``) with the same backward, or the same refus
 
 Several results: ``results`` names them, in the order the function returns them (a tuple) and the
 handler writes them; ``result_rule(shapes, dtypes, attrs) -> [(shape, dtype), ...]`` gives each
-one's shape and dtype from the tensor arguments' shapes and dtypes (numpy names) and the
+one's shape and dtype from the tensor arguments' shapes and dtypes (numpy names), one entry per
+tensor parameter (an optional one's None when absent, a list's a list of its items'), and the
 attributes (``add_kernel`` makes it from ``KernelDef.results``' Rust rules). jax's ``ffi_call``
 result types and the torch op's fake results come from it. Those named in ``residuals`` are saved
 by the forward and handed to the backward (by name), never returned to the caller: the raw ops
@@ -83,8 +84,10 @@ function's default is None); those in ``lists`` a list or tuple of tensors (``Te
 gives none, and each optional or list parameter adds an int64 attribute ``<name>.count`` (the
 handler declares them: ``xla_handler!(fn h(call, operands: [tensor("x"), optional("bias")], ..))``).
 A backward reads them as the function does (None, a list) and gives a list of gradients for a
-list (one per item); an absent optional's gradient is None. ``torch.func`` transforms of a kernel
-with a list are refused (an ``autograd.Function`` does not see tensors inside a list).
+list (one per item); an absent optional's gradient is None. Under ``torch.func`` transforms and
+forward-mode AD, the ``autograd.Function`` takes each item of a list as an input of its own (flat,
+with the lists' lengths), so ``grad``, ``jacrev``, ``vmap`` and, with a jvp, ``jvp``/``jacfwd`` see
+them; a jvp reads a list's tangent as a list.
 
 Names: the torch op is ``torch.ops.<namespace>.<name>`` and the XLA FFI target
 ``<namespace>.<name>``, named by ``name=`` and ``namespace=`` or, by default, the function's name
@@ -533,6 +536,8 @@ class Kernel:
         # Whether any tensor parameter is optional or a list: the calls that pass operands flat
         # (jax's ffi_call) then add a count attribute "<parameter>.count" for each.
         self._counted = any(self._kinds)
+        # The list parameters' indices (torch.func's autograd.Function takes their items flat).
+        self._list_idx = frozenset(i for i, n in enumerate(self._params) if n in self._lists)
 
     def _flatten(self, vals: Sequence[Any]) -> tuple[list[Any], tuple[tuple[str, int], ...]]:
         """The tensor arguments of ``vals`` (one per parameter) as a flat list (a list's items in
@@ -643,11 +648,6 @@ class Kernel:
             raise ValueError(f"kernel {name}: out={out!r} and results=: declare the results in one of them")
         if self._mutates:
             raise ValueError(f"kernel {name}: results= with mutates=: a kernel with several results writes no argument")
-        if self._counted:
-            raise ValueError(
-                f"kernel {name}: results= with optional= or lists=: the result rules read one shape per "
-                "tensor parameter; give such a kernel one result (out=)"
-            )
         if not callable(rule):
             raise ValueError(f"kernel {name}: results= needs result_rule=, each result's shape and dtype")
         names: tuple[str, ...] = tuple(results)
@@ -670,9 +670,31 @@ class Kernel:
 
     def _result_types(self, tensors: Sequence[Any], attrs: Mapping[str, Any]) -> list[tuple[tuple[int, ...], str]]:
         """Each result's (shape, dtype name) by the result rule, for arrays or tensors (fake ones
-        included) in parameter order."""
-        shapes = [tuple(int(d) for d in t.shape) for t in tensors]
-        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        included), one per tensor parameter: a tensor, an optional one's None when absent, a
+        list's list (the rule reads each as such)."""
+
+        def shape(t: Any) -> tuple[int, ...]:
+            return tuple(int(d) for d in t.shape)
+
+        def dtype(t: Any) -> str:
+            return str(t.dtype).removeprefix("torch.")
+
+        if self._counted:
+            shapes: list[Any] = []
+            dtypes: list[Any] = []
+            for k, t in zip(self._kinds, tensors, strict=True):
+                if k == 2:
+                    shapes.append([shape(e) for e in t])
+                    dtypes.append([dtype(e) for e in t])
+                elif t is None:
+                    shapes.append(None)
+                    dtypes.append(None)
+                else:
+                    shapes.append(shape(t))
+                    dtypes.append(dtype(t))
+        else:
+            shapes = [shape(t) for t in tensors]
+            dtypes = [dtype(t) for t in tensors]
         rule = self._result_rule
         assert rule is not None  # results= needs it (checked at declaration)
         made = list(rule(shapes, dtypes, dict(attrs)))
@@ -981,7 +1003,11 @@ class Kernel:
 
     def _has_tangent(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
         """Inside a forward-AD dual level: whether a tensor argument carries a tangent."""
-        return any(self._tangent_of(a) for a in [*args, *kwargs.values()])
+        return any(
+            self._tangent_of(e)
+            for a in [*args, *kwargs.values()]
+            for e in (a if isinstance(a, (list, tuple)) else (a,))
+        )
 
     @staticmethod
     def _tangent_of(a: Any) -> bool:
@@ -998,7 +1024,7 @@ class Kernel:
         """Inside a forward-AD dual level, a tensor with a tangent is refused by a kernel without a
         jvp: the eager function would drop the tangent silently (torch's own custom op does)."""
         for n, a in [*zip(self._params, args), *kwargs.items()]:
-            if self._tangent_of(a):
+            if any(self._tangent_of(e) for e in (a if isinstance(a, (list, tuple)) else (a,))):
                 raise RuntimeError(
                     f"{self.__name__}: argument {n!r} is a dual tensor (forward-mode AD), but the kernel "
                     "names no jvp (no forward-mode derivative), so its tangent would be dropped: give it "
@@ -1136,14 +1162,6 @@ class Kernel:
                     self._refuse_grad_in_place(vals, {})
                 op(*vals)
                 return vals[self._mutated_idx]
-            if (forward_ad or _functorch_level() is not None) and self._lists:
-                # An autograd.Function sees no tensor inside a list: the gradients of the items
-                # would be lost. Refused, not silently wrong.
-                raise NotImplementedError(
-                    f"{self.__name__}: torch.func transforms (grad, jacrev, jvp, vmap) and forward-mode AD "
-                    f"of a kernel with a list of tensors ({', '.join(self._lists)}) are not supported: use "
-                    "torch.autograd (loss.backward(), torch.autograd.grad) or torch.compile"
-                )
             if forward_ad or _functorch_level() is not None:
                 # torch.func.grad/jacrev/vmap: torch's custom-op autograd is an autograd.Function
                 # without setup_context, which torch.func refuses; this one has it (and the op's
@@ -1151,6 +1169,11 @@ class Kernel:
                 # its jvp, which a custom op cannot have.
                 if self._func is None:
                     self._func = self._make_func(sys.modules["torch"])
+                if self._lists:
+                    # Each item of a list an input of its own (an autograd.Function sees no
+                    # tensor inside a list).
+                    spec, flat = self._flat_lists(vals)
+                    return self._func.apply(spec, *flat)
                 return self._func.apply(*vals)
             return op(*vals)
         except (RuntimeError, TypeError, AttributeError):
@@ -1246,9 +1269,15 @@ class Kernel:
             def fake_several(*vals: Any, **kw: Any) -> Any:
                 # torch may pass the scalar arguments by keyword.
                 bound = self._bind(vals, kw) if kw or len(vals) < len(params) else vals
-                made = self._result_types([bound[i] for i in tensor_idx], {params[i]: bound[i] for i in attr_idx})
-                x = bound[tensor_idx[0]]
-                outs = tuple(x.new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                per = [bound[i] for i in tensor_idx]
+                made = self._result_types(per, {params[i]: bound[i] for i in attr_idx})
+                # On the first tensor argument's device (an optional's or a list's first where the
+                # parameters before it are such; none at all: torch's default).
+                flat = self._flatten(bound)[0] if self._counted else [bound[tensor_idx[0]]]
+                if flat:
+                    outs = tuple(flat[0].new_empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
+                else:
+                    outs = tuple(torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in made)
                 return outs[0] if len(outs) == 1 else outs
 
             fake = fake_several
@@ -1424,25 +1453,45 @@ class Kernel:
         if self._jvp is not None:
             several = bool(self._results)
             n_in = len(tensor_idx)
+            lists = bool(self._lists)
 
             def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
                 setup_backward(ctx, inputs, output)
                 outs = self._all_results(output) if several else (output,)
-                ctx.save_for_forward(*[inputs[i] for i in tensor_idx], *outs)
+                if lists:
+                    # A list's items saved flat (with the counts), as the backward saves them.
+                    flat, ctx.dlbridge_jvp_counts = self._flatten(_full_inputs(self, inputs))
+                    ctx.dlbridge_jvp_n = len(flat)
+                    ctx.save_for_forward(*flat, *outs)
+                else:
+                    ctx.save_for_forward(*[inputs[i] for i in tensor_idx], *outs)
                 ctx.dlbridge_jvp_attrs = self._attr_dict(inputs)
 
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 saved = ctx.saved_tensors
-                named = {params[i]: t if t is None else t.contiguous() for i, t in zip(tensor_idx, saved[:n_in], strict=True)}
-                outs = [o.contiguous() for o in saved[n_in:]]
+                n = ctx.dlbridge_jvp_n if lists else n_in
+                ins = saved[:n]
+                per = self._unflatten(ins, ctx.dlbridge_jvp_counts) if lists else list(ins)
+                contiguous = lambda t: t if t is None else t.contiguous()  # noqa: E731
+                named = {
+                    params[i]: [contiguous(e) for e in t] if isinstance(t, list) else contiguous(t)
+                    for i, t in zip(tensor_idx, per, strict=True)
+                }
+                outs = [o.contiguous() for o in saved[n:]]
                 if several:
                     self._named_primal_results(named, outs)
                 else:
                     named["out"] = outs[0]
-                for i, t in zip(tensor_idx, saved[:n_in], strict=True):
+                for i, t in zip(tensor_idx, per, strict=True):
                     d = tangents[i]
                     if t is None:  # an absent optional tensor: no tangent either
                         named[params[i]] = named[f"tangent_{params[i]}"] = None
+                        continue
+                    if isinstance(t, list):  # a list: one tangent per item
+                        ds = [None] * len(t) if d is None else list(d)
+                        named[f"tangent_{params[i]}"] = [
+                            torch.zeros_like(e) if de is None else de.contiguous() for e, de in zip(t, ds, strict=True)
+                        ]
                         continue
                     named[f"tangent_{params[i]}"] = torch.zeros_like(t) if d is None else d.contiguous()
                 named.update(ctx.dlbridge_jvp_attrs)
@@ -1452,6 +1501,8 @@ class Kernel:
             def jvp(ctx: Any, *tangents: Any) -> Any:
                 raise RuntimeError(self._no_jvp_message())
 
+        if self._lists:
+            return self._flat_func(torch, setup_context, backward, jvp)
         return type(
             f"{self._op_name}_function",
             (torch.autograd.Function,),
@@ -1461,6 +1512,80 @@ class Kernel:
                 "setup_context": staticmethod(setup_context),
                 "backward": staticmethod(backward),
                 "jvp": staticmethod(jvp),
+            },
+        )
+
+    def _flat_lists(self, vals: Sequence[Any]) -> tuple[tuple[int, ...], list[Any]]:
+        """``vals`` (one per parameter) with each list's items in its place, flat, and each
+        list's length: what ``_flat_func``'s ``autograd.Function`` takes, so torch.func sees
+        every item as an input of its own."""
+        spec: list[int] = []
+        flat: list[Any] = []
+        for i, v in enumerate(vals):
+            if i in self._list_idx:
+                if not isinstance(v, (list, tuple)):
+                    self._flatten(vals)  # refused there, in the author's terms
+                spec.append(len(v))
+                flat.extend(v)
+            else:
+                flat.append(v)
+        return tuple(spec), flat
+
+    def _unflat_lists(self, spec: Sequence[int], flat: Sequence[Any]) -> list[Any]:
+        """``_flat_lists``'s inverse: one value per parameter, each list a list."""
+        vals: list[Any] = []
+        counts = iter(spec)
+        at = 0
+        for i in range(len(self._params)):
+            if i in self._list_idx:
+                c = next(counts)
+                vals.append(list(flat[at : at + c]))
+                at += c
+            else:
+                vals.append(flat[at])
+                at += 1
+        return vals
+
+    def _flat_func(self, torch: Any, setup_context: Any, backward: Any, jvp: Any) -> Any:
+        """``_make_func``'s ``autograd.Function`` for a kernel with list parameters: it takes
+        ``(spec, *flat)`` (``_flat_lists``), so each item of a list is an input torch.func
+        differentiates and batches; the rules run on the values one per parameter, and each
+        list's gradients (tangents) go back to its items."""
+        overload = self._overload
+        list_idx = self._list_idx
+
+        def forward(spec: tuple[int, ...], *flat: Any) -> Any:
+            return overload(*self._unflat_lists(spec, flat))
+
+        def flat_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.dlbridge_spec = inputs[0]
+            setup_context(ctx, tuple(self._unflat_lists(inputs[0], inputs[1:])), output)
+
+        def flat_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            per = backward(ctx, *grads)
+            out: list[Any] = [None]
+            counts = iter(ctx.dlbridge_spec)
+            for i in range(len(self._params)):
+                g = per[i] if i < len(per) else None
+                if i in list_idx:
+                    c = next(counts)
+                    out.extend([None] * c if g is None else g)
+                else:
+                    out.append(g)
+            return tuple(out)
+
+        def flat_jvp(ctx: Any, *tangents: Any) -> Any:
+            return jvp(ctx, *self._unflat_lists(ctx.dlbridge_spec, tangents[1:]))
+
+        return type(
+            f"{self._op_name}_function",
+            (torch.autograd.Function,),
+            {
+                "generate_vmap_rule": True,
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(flat_setup_context),
+                "backward": staticmethod(flat_backward),
+                "jvp": staticmethod(flat_jvp),
             },
         )
 
@@ -1501,7 +1626,7 @@ class Kernel:
         params, tensor_idx, attr_idx, kinds = self._params, self._tensor_idx, self._attr_idx, self._kinds
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            flat, counts = self._flatten(inputs)
+            flat, counts = self._flatten(_full_inputs(self, inputs))
             ctx.save_for_backward(*flat, output)
             ctx.dlbridge_counts = counts
             ctx.dlbridge_attrs = {params[i]: inputs[i] for i in attr_idx}
@@ -1514,33 +1639,42 @@ class Kernel:
             named["grad"] = grad.contiguous()
             named.update(ctx.dlbridge_attrs)
             grads = self._run_backward(named)
-            result: list[Any] = [None] * len(params)
-            for i, k, v in zip(tensor_idx, kinds, per, strict=True):
-                g = grads.get(params[i])
-                if k == 2:
-                    gs = [None] * len(v) if g is None else list(g)
-                    if len(gs) != len(v):
-                        raise ValueError(
-                            f"{self.__name__}: the backward gave {len(gs)} gradients for {params[i]!r}, a list of {len(v)} tensors"
-                        )
-                    result[i] = gs
-                else:
-                    result[i] = None if v is None else g
-            if torch.is_grad_enabled():
-                # create_graph=True: a gradient without a graph is refused at the second backward.
-                flat_in = [grad, *saved]
-                out: list[Any] = []
-                for i, r in enumerate(result):
-                    if isinstance(r, list):
-                        out.append(list(self._first_order_only(torch, tuple(r), tuple(flat_in))))
-                    else:
-                        out.append(r)
-                single = [r if not isinstance(r, list) else None for r in out]
-                single = list(self._first_order_only(torch, tuple(single), tuple(flat_in)))
-                result = [o if isinstance(o, list) else single[j] for j, o in enumerate(out)]
-            return _fit_inputs(ctx, tuple(result))
+            return _fit_inputs(ctx, self._counted_grads(torch, grads, per, (grad, *saved)))
 
         return setup_context, backward
+
+    def _counted_grads(self, torch: Any, grads: Mapping[str, Any], per: Sequence[Any], flat_in: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A torch backward's gradients, one per parameter, of a kernel with optional or list
+        parameters: from ``grads`` (the kernel's backward's, by name) and ``per`` (each tensor
+        parameter's argument: None for an absent optional, a list for a list), a list of
+        gradients for a list parameter and None for an absent optional. Under create_graph=True a
+        gradient without a graph is refused (``_first_order_only``) against ``flat_in``."""
+        params, tensor_idx, kinds = self._params, self._tensor_idx, self._kinds
+        result: list[Any] = [None] * len(params)
+        for i, k, v in zip(tensor_idx, kinds, per, strict=True):
+            g = grads.get(params[i])
+            if k == 2:
+                gs = [None] * len(v) if g is None else list(g)
+                if len(gs) != len(v):
+                    raise ValueError(
+                        f"{self.__name__}: the backward gave {len(gs)} gradients for {params[i]!r}, a list of {len(v)} tensors"
+                    )
+                result[i] = gs
+            else:
+                result[i] = None if v is None else g
+        if torch.is_grad_enabled():
+            # create_graph=True: a gradient without a graph is refused at the second backward.
+            out: list[Any] = []
+            for i, r in enumerate(result):
+                if isinstance(r, list):
+                    items = [f"{params[i]}[{j}]" for j in range(len(r))]
+                    out.append(list(self._first_order_only(torch, tuple(r), flat_in, items)))
+                else:
+                    out.append(r)
+            single = [r if not isinstance(r, list) else None for r in out]
+            single = list(self._first_order_only(torch, tuple(single), flat_in))
+            result = [o if isinstance(o, list) else single[j] for j, o in enumerate(out)]
+        return tuple(result)
 
     def _autograd_rules_several(self, torch: Any, residual_tangents: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``setup_context`` and ``backward`` of a kernel with several results: every result (the
@@ -1548,31 +1682,47 @@ class Kernel:
         ``residual_tangents`` (their cotangent is then zero, as the caller never sees them)."""
         params, tensor_idx = self._params, self._tensor_idx
         n_in = len(tensor_idx)
-        residual_idx = [] if residual_tangents else [i for i in range(len(self._results)) if i not in self._visible]
+        n_out = len(self._results)
+        counted = self._counted
+        residual_idx = [] if residual_tangents else [i for i in range(n_out) if i not in self._visible]
 
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             output = self._all_results(output)  # (one result: the op returns it alone)
-            ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
+            if counted:
+                # Optional and list parameters: the tensors saved flat, with their counts.
+                flat, ctx.dlbridge_counts = self._flatten(_full_inputs(self, inputs))
+                ctx.save_for_backward(*flat, *output)
+            else:
+                ctx.save_for_backward(*[inputs[i] for i in tensor_idx], *output)
             ctx.dlbridge_attrs = self._attr_dict(inputs)
             if residual_idx:
                 ctx.mark_non_differentiable(*[output[i] for i in residual_idx])
 
         def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
             saved = ctx.saved_tensors
-            named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, saved[:n_in], strict=True)}
-            outs = [o.contiguous() for o in saved[n_in:]]
+            ins, outs = saved[: len(saved) - n_out], [o.contiguous() for o in saved[len(saved) - n_out :]]
+            if counted:
+                per = self._unflatten([t.contiguous() for t in ins], ctx.dlbridge_counts)
+                named = {params[i]: v for i, v in zip(tensor_idx, per, strict=True)}
+            else:
+                named = {params[i]: t.contiguous() for i, t in zip(tensor_idx, ins[:n_in], strict=True)}
             gs = [torch.zeros_like(o) if g is None else g.contiguous() for g, o in zip(grads, outs, strict=True)]
             self._named_results(named, outs, gs)
             named.update(ctx.dlbridge_attrs)
             got = self._run_backward(named)
+            flat_in = (*[g for g in grads if g is not None], *saved)
+            if counted:
+                return _fit_inputs(ctx, self._counted_grads(torch, got, per, flat_in))
             result = tuple(got.get(n) if i in tensor_idx else None for i, n in enumerate(params))
             if torch.is_grad_enabled():
-                result = self._first_order_only(torch, result, (*[g for g in grads if g is not None], *saved))
+                result = self._first_order_only(torch, result, flat_in)
             return _fit_inputs(ctx, result)
 
         return setup_context, backward
 
-    def _first_order_only(self, torch: Any, result: tuple[Any, ...], inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _first_order_only(
+        self, torch: Any, result: tuple[Any, ...], inputs: tuple[Any, ...], names: Sequence[str] | None = None
+    ) -> tuple[Any, ...]:
         """Under create_graph=True, a gradient the backward returned cut off from autograd (a plain
         function's result: it does not require grad while the backward's inputs do) becomes the
         output of a node whose inputs are the backward's and whose backward raises, instead of
@@ -1588,7 +1738,7 @@ class Kernel:
             if isinstance(g, torch.Tensor) and not g.requires_grad:
                 message = (
                     f"{self.__name__}: its gradient is first order only: its backward returned the "
-                    f"gradient of {self._params[j]!r} without a graph, so it cannot be differentiated "
+                    f"gradient of {(names or self._params)[j]!r} without a graph, so it cannot be differentiated "
                     "again (double backward, create_graph=True, gradgradcheck); write the backward with "
                     "differentiable operations (torch ops, or kernels that name a backward of their own)"
                 )
@@ -1692,7 +1842,7 @@ class Kernel:
         tensors = [jnp.asarray(t) for t in tensors]
         out = self._out
         if self._results:
-            made = self._result_types(tensors, dict(attrs))
+            made = self._result_types(self._unflatten(tensors, attrs) if self._counted else tensors, dict(attrs))
             types = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in made]
             call = jax.ffi.ffi_call(self._target, types, vmap_method=self._vmap_method)
             return tuple(call(*tensors, **self._ffi_attrs(attrs)))
@@ -1895,6 +2045,13 @@ def _checked_class(cls: type) -> type:
     return checked
 
 
+def _full_inputs(kernel: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A torch op's ``inputs`` one per parameter: a call that leaves out trailing defaulted
+    arguments (``Tensor? bias=None``) has fewer (see ``_fit_inputs``); theirs are the defaults."""
+    n = len(inputs)
+    return inputs if n >= len(kernel._params) else (*inputs, *kernel._defaults[n:])
+
+
 def _fit_inputs(ctx: Any, result: tuple[Any, ...]) -> tuple[Any, ...]:
     """A torch backward's gradients, one per input the op was called with: before torch 2.12 or
     so, a call that leaves out trailing defaulted arguments (``Tensor? bias=None``) has fewer
@@ -1917,8 +2074,9 @@ def _functorch_wrapped(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     wrapped = functorch.is_functorch_wrapped_tensor
     legacy = getattr(functorch, "is_legacy_batchedtensor", None)
     return any(
-        isinstance(a, torch.Tensor) and (wrapped(a) or (legacy is not None and legacy(a)))
+        isinstance(e, torch.Tensor) and (wrapped(e) or (legacy is not None and legacy(e)))
         for a in [*args, *kwargs.values()]
+        for e in (a if isinstance(a, (list, tuple)) else (a,))  # a list's items too
     )
 
 

@@ -268,17 +268,39 @@ def test_opcheck(torch):
         assert set(result.values()) == {"SUCCESS"}, (kern, result)
 
 
-def test_torch_func_optional_and_the_list_refusal(torch):
+def test_torch_func_optional_and_list(torch):
     x, w, b = (torch.from_numpy(a) for a in data())
     gw = torch.func.grad(lambda w: K.scale_shift(x, w, None).sum())(w)
     torch.testing.assert_close(gw, x.sum(0))
     gb = torch.func.grad(lambda b: K.scale_shift(x, w, b).sum())(b)
     torch.testing.assert_close(gb, torch.full_like(b, x.shape[0]))
+    # A list's items are inputs of their own to torch.func (refused before: an autograd.Function
+    # saw no tensor inside a list). accumulate names no backward: refused as any such kernel.
     x, xs, ws = terms()
-    with pytest.raises(NotImplementedError, match="list of tensors"):
-        torch.func.grad(lambda x: K.accumulate(x, [torch.from_numpy(a) for a in xs], torch.from_numpy(ws)).sum())(
-            torch.from_numpy(x)
-        )
+    x, xs, ws = torch.from_numpy(x), [torch.from_numpy(a) for a in xs], torch.from_numpy(ws)
+    with pytest.raises(RuntimeError, match="accumulate: no autograd formula"):
+        torch.func.grad(lambda xs: K.accumulate(x, xs, ws).sum())(xs)
+    def backward(named):
+        g = named["grad"]
+        return {
+            "x": g,
+            "xs": [named["weights"][i] * g for i in range(len(named["xs"]))],
+            "weights": torch.stack([(g * t).sum() for t in named["xs"]]),
+        }
+
+    kern = dlbridge.kernels.kernel(
+        K.accumulate.__wrapped__, name="accumulate_grad_func", lists=["xs"], ffi=K.accumulate._ffi, backward=backward
+    )
+    got = torch.func.grad(lambda x, xs, ws: (kern(x, xs, ws) ** 2).sum(), argnums=(0, 1, 2))(x, xs, ws)
+    ref = lambda x, xs, ws: ((x + sum(ws[i] * xs[i] for i in range(len(xs)))) ** 2).sum()  # noqa: E731
+    expect = torch.func.grad(ref, argnums=(0, 1, 2))(x, xs, ws)
+    torch.testing.assert_close(got[0], expect[0])
+    torch.testing.assert_close(got[2], expect[2])
+    assert len(got[1]) == len(xs)
+    for a, r in zip(got[1], expect[1], strict=True):
+        torch.testing.assert_close(a, r)
+    out = torch.func.vmap(K.accumulate, in_dims=(None, [0, None, None], None))(x, [torch.stack([xs[0], 2 * xs[0]]), xs[1], xs[2]], ws)
+    torch.testing.assert_close(out[1], x + 2 * ws[0] * xs[0] + ws[1] * xs[1] + ws[2] * xs[2])
 
 
 def test_torch_errors_in_the_authors_terms(torch):

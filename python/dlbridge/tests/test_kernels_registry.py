@@ -322,8 +322,39 @@ def test_optional_and_list_declarations_are_checked():
         fresh(f, optional=["nope"])
     with pytest.raises(ValueError, match="out='bias': 'bias' is an optional tensor"):
         fresh(f, optional=["bias"], out="bias")
-    with pytest.raises(ValueError, match="results= with optional= or lists="):
-        fresh(f, lists=["xs"], results=["a"], result_rule=lambda *a: [])
+
+
+@pytest.mark.skipif(not have("torch"), reason="torch is not installed")
+def test_results_with_optional_and_list_parameters_read_each_parameters_shapes():
+    """results= with optional= and lists= (refused before): the result rule gets one entry per
+    tensor parameter, None for an absent optional and a list of shapes for a list, under
+    torch.compile's fake kernel, and the op passes opcheck."""
+    import torch
+
+    seen = []
+
+    def rule(shapes, dtypes, attrs):
+        seen.append((shapes, dtypes))
+        x, bias, xs = shapes
+        return [(x, dtypes[0]), ((len(xs), *x), dtypes[0])]
+
+    def stack_bias(x, bias, xs):
+        y = x.clone() if bias is None else x + bias
+        return y, torch.stack(list(xs)) if xs else x.new_zeros((0, *x.shape))
+
+    k = fresh(stack_bias, optional=["bias"], lists=["xs"], results=["y", "stacked"], result_rule=rule)
+    x, b = torch.ones(3), torch.full((3,), 2.0)
+    xs = [torch.arange(3.0), torch.arange(3.0) * 2]
+    f = torch.compile(lambda x, b, xs: k(x, b, xs), fullgraph=True, backend="aot_eager")
+    y, st = f(x, None, xs)
+    assert torch.equal(y, x) and torch.equal(st, torch.stack(xs))
+    assert ([(3,), None, [(3,), (3,)]], ["float32", None, ["float32", "float32"]]) in seen
+    y, st = f(x, b, xs[:1])
+    assert torch.equal(y, x + b) and st.shape == (1, 3)
+    assert ([(3,), (3,), [(3,)]], ["float32", "float32", ["float32"]]) in seen
+    for args in [(x, b, xs), (x, None, [])]:
+        result = torch.library.opcheck(k._overload, args)
+        assert set(result.values()) == {"SUCCESS"}, result
 
 
 @pytest.mark.skipif(not have("torch"), reason="torch is not installed")

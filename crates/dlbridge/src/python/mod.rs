@@ -37,8 +37,8 @@ pub use import::{
 #[cfg(all(feature = "torch-stable", unix))]
 pub use kernels::install_torch_version_hooks;
 pub use kernels::{
-    AttrValue, Attrs, HostSpec, KernelDef, ResultDType, ResultDef, ResultShape, ShapeFn, TensorList,
-    TensorMut, TensorRef, TensorView, add_kernel, xla_capsule,
+    AttrValue, Attrs, HostSpec, KernelDef, ParamShape, ParamShapeFn, ResultDType, ResultDef, ResultShape,
+    ShapeFn, TensorList, TensorMut, TensorRef, TensorView, add_kernel, xla_capsule,
 };
 pub use runtime::{
     DLTENSOR, DLTENSOR_VERSIONED, PyDType, PyDevice, PyOwner, Tensor, USED_DLTENSOR, USED_DLTENSOR_VERSIONED,

@@ -10,7 +10,9 @@
 //!
 //! Several results: [`KernelDef::results`] lists them ([`ResultDef`]), each shaped and typed by a
 //! rule written in Rust (like a tensor parameter, or a [`ShapeFn`] over the tensor arguments'
-//! shapes and the attributes, [`Attrs`]); jax's `ffi_call`, torch's fake (Meta) kernel and the
+//! shapes and the attributes, [`Attrs`], or a [`ParamShapeFn`](super::ParamShapeFn) over each
+//! tensor parameter's [`ParamShape`], an optional's absent when `None`, a list's one per item);
+//! jax's `ffi_call`, torch's fake (Meta) kernel and the
 //! native op's result buffers all read the same rules. A result marked
 //! [`residual`](ResultDef::residual) is saved by the forward for the backward and never returned
 //! to the kernel's caller: the raw op underneath (the torch op, the XLA custom call) returns it
@@ -22,7 +24,9 @@ use std::ptr::NonNull;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
 
-use super::results::{AttrKind, Attrs, OwnedAttr, Resolved, ResultDef, resolve, result_shapes};
+use super::results::{
+    AttrKind, Attrs, OwnedAttr, ParamShape, Resolved, ResultDef, Shapes, resolve, result_shapes,
+};
 use crate::xla_ffi::XLA_FFI_Handler;
 
 /// The capsule name jax's own helpers give handlers (jax reads the pointer whatever the name).
@@ -71,12 +75,14 @@ pub struct KernelDef<'a> {
     /// Optional tensor parameters (torch schema `Tensor?`): the caller passes a tensor or `None`;
     /// the function takes an `Option<TensorRef<..>>`, the handler reads
     /// [`Call::optional_input`](crate::xla::Call::optional_input) (declared
-    /// [`Operand::Optional`](crate::xla::Operand::Optional)). Not a result's `out` or "like" rule.
+    /// [`Operand::Optional`](crate::xla::Operand::Optional)). Not a result's `out` or "like" rule; with
+    /// [`results`](Self::results), a [`ResultDef::param_rule`] reads it (absent when `None`).
     pub optional: &'a [&'a str],
     /// List-of-tensors parameters (torch schema `Tensor[]`): the caller passes a list or tuple of
     /// tensors; the function takes a [`TensorList`](crate::python::TensorList), the handler reads
     /// [`Call::input_list`](crate::xla::Call::input_list) (declared
-    /// [`Operand::List`](crate::xla::Operand::List)). Not a result's `out` or "like" rule.
+    /// [`Operand::List`](crate::xla::Operand::List)). Not a result's `out` or "like" rule; with
+    /// [`results`](Self::results), a [`ResultDef::param_rule`] reads each item's shape.
     pub lists: &'a [&'a str],
     /// The XLA FFI handler (CPU) that runs the kernel inside `jax.jit`. Its target is registered
     /// with jax when the kernel is made (or right after jax's own import), so a deserialized
@@ -163,20 +169,28 @@ fn owned_attr(name: &str, declared: &str, kind: AttrKind, v: &Bound<'_, PyAny>) 
     })
 }
 
+/// A tensor parameter's kind, as the Python rule receives its shape: 0 a tensor (a tuple), 1
+/// an optional one (a tuple or None), 2 a list (a list of tuples).
+type Kinds = Vec<u8>;
+
 /// The Python face of the rules, `rule(shapes, dtypes, attrs) -> [(shape, dtype), ...]`
-/// (shapes as tuples, dtypes as numpy names, each attribute as its declared type reads it: a
-/// number, a `str`, a sequence of numbers for an array), called by `dlbridge.kernels` when it
-/// makes jax's result types and torch's fake results.
+/// (one entry per tensor parameter: a shape as a tuple, a dtype as a numpy name; an optional
+/// parameter's None when absent, a list parameter's a list of them; each attribute as its
+/// declared type reads it: a number, a `str`, a sequence of numbers for an array), called by
+/// `dlbridge.kernels` when it makes jax's result types and torch's fake results.
 fn result_rule<'py>(
     py: Python<'py>,
     kernel: String,
     results: Vec<Resolved>,
     declared: Vec<(String, String)>,
+    kinds: Kinds,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let counted = kinds.iter().any(|&k| k != 0);
     let call = move |args: &Bound<'_, PyTuple>,
                      _kw: Option<&Bound<'_, PyDict>>|
           -> PyResult<Vec<(Vec<i64>, String)>> {
-        let (shapes, dtypes, attrs): (Vec<Vec<i64>>, Vec<String>, Bound<'_, PyDict>) = args.extract()?;
+        let (shapes, dtypes, attrs): (Vec<Bound<'_, PyAny>>, Vec<Bound<'_, PyAny>>, Bound<'_, PyDict>) =
+            args.extract()?;
         let mut owned = Vec::with_capacity(attrs.len());
         for (n, v) in attrs.iter() {
             let n: String = n.extract()?;
@@ -190,13 +204,51 @@ fn result_rule<'py>(
         for (n, v) in &owned {
             a.insert(n, v.value());
         }
-        let views: Vec<&[i64]> = shapes.iter().map(Vec::as_slice).collect();
-        let made =
-            result_shapes(&kernel, &results, &views, &a).map_err(pyo3::exceptions::PyValueError::new_err)?;
+        if shapes.len() != kinds.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "{kernel}: the result rule got {} shapes for {} tensor parameters",
+                shapes.len(),
+                kinds.len()
+            )));
+        }
+        // Each parameter's shapes, flat (an absent optional none, a list one per item), and
+        // where each parameter's start in that list.
+        let mut flat: Vec<Vec<i64>> = Vec::with_capacity(shapes.len());
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(shapes.len());
+        for (s, &k) in shapes.iter().zip(&kinds) {
+            let at = flat.len();
+            match k {
+                1 if s.is_none() => {}
+                2 => {
+                    for item in s.try_iter()? {
+                        flat.push(item?.extract()?);
+                    }
+                }
+                _ => flat.push(s.extract()?),
+            }
+            spans.push((at, flat.len()));
+        }
+        let views: Vec<&[i64]> = flat.iter().map(Vec::as_slice).collect();
+        let made = if counted {
+            let params: Vec<ParamShape<'_>> = kinds
+                .iter()
+                .zip(&spans)
+                .map(|(&k, &(at, end))| match k {
+                    0 => ParamShape::Tensor(views[at]),
+                    1 => ParamShape::Optional((end > at).then(|| views[at])),
+                    _ => ParamShape::List(&views[at..end]),
+                })
+                .collect();
+            result_shapes(&kernel, &results, Shapes::Params(&params), &a)
+        } else {
+            result_shapes(&kernel, &results, Shapes::Plain(&views), &a)
+        }
+        .map_err(pyo3::exceptions::PyValueError::new_err)?;
         let mut out = Vec::with_capacity(made.len());
         for (r, shape) in results.iter().zip(made) {
             let dtype = match r.dtype {
-                Ok(k) => dtypes.get(k).cloned().ok_or_else(|| {
+                // (resolve: a `Like` dtype names a tensor parameter, whose dtype is a name.)
+                Ok(k) => dtypes.get(k).map(|d| d.extract::<String>()).transpose()?.ok_or_else(|| {
                     pyo3::exceptions::PyValueError::new_err(format!(
                         "{kernel}: result {}: no tensor argument {k}",
                         r.name
@@ -254,14 +306,27 @@ pub fn add_kernel<'py>(
             .try_iter()?
             .map(|p| p?.extract())
             .collect::<PyResult<_>>()?;
-        let resolved = resolve(&kname, &params, def.attrs, def.results)
+        let resolved = resolve(&kname, &params, def.attrs, (def.optional, def.lists), def.results)
             .map_err(pyo3::exceptions::PyValueError::new_err)?;
+        let kinds: Kinds = params
+            .iter()
+            .filter(|p| !def.attrs.iter().any(|(a, _)| a == p))
+            .map(|p| {
+                if def.optional.contains(&p.as_str()) {
+                    1
+                } else if def.lists.contains(&p.as_str()) {
+                    2
+                } else {
+                    0
+                }
+            })
+            .collect();
         let names: Vec<&str> = resolved.iter().map(|r| r.name.as_str()).collect();
         let residuals: Vec<&str> = resolved.iter().filter(|r| r.residual).map(|r| r.name.as_str()).collect();
         kw.set_item("results", PyTuple::new(py, names)?)?;
         kw.set_item("residuals", PyTuple::new(py, residuals)?)?;
         let declared = def.attrs.iter().map(|&(n, t)| (n.to_owned(), t.to_owned())).collect();
-        kw.set_item("result_rule", result_rule(py, kname, resolved.clone(), declared)?)?;
+        kw.set_item("result_rule", result_rule(py, kname, resolved.clone(), declared, kinds)?)?;
         resolved
     };
     kw.set_item("attrs", PyDict::from_sequence(&def.attrs.to_vec().into_pyobject(py)?)?)?;

@@ -12,6 +12,6 @@ mod view;
 pub use kernel::{KernelDef, add_kernel, xla_capsule};
 #[cfg(all(feature = "torch-stable", unix))]
 pub use native::install_torch_version_hooks;
-pub use results::{AttrValue, Attrs, ResultDType, ResultDef, ResultShape, ShapeFn};
+pub use results::{AttrValue, Attrs, ParamShape, ParamShapeFn, ResultDType, ResultDef, ResultShape, ShapeFn};
 pub use typed::{HostSpec, TensorList, TensorMut, TensorRef};
 pub use view::TensorView;

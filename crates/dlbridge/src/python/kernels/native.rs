@@ -14,7 +14,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
 
-use super::results::{AttrValue, Attrs, Resolved, result_shape};
+use super::results::{AttrValue, Attrs, ParamShape, Resolved, Shapes, result_shape};
 use crate::python::import::install_native_version_hooks;
 use crate::torch_stable::xla::{AttrType, OutRule, TensorInfo, XlaOp, register_op};
 use crate::torch_stable::{ArgKind, Error, Torch};
@@ -177,6 +177,28 @@ impl NativeDecl {
         params: &[String],
     ) -> &'static crate::torch_stable::xla::DynOutRule {
         let results = self.results.clone();
+        // A kernel with optional or list parameters: (signature index, kind) of each tensor
+        // parameter, read off the stack (the rule sees each parameter's ParamShape); empty for
+        // another kernel, whose rule reads the plain tensors' infos as they come.
+        let counted: Vec<(usize, ArgKind)> = if self.optional.is_empty() && self.lists.is_empty() {
+            Vec::new()
+        } else {
+            params
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !attrs.iter().any(|(n, _)| n == p))
+                .map(|(i, p)| {
+                    let kind = if self.optional.contains(p) {
+                        ArgKind::OptTensor
+                    } else if self.lists.contains(p) {
+                        ArgKind::TensorList
+                    } else {
+                        ArgKind::Tensor
+                    };
+                    (i, kind)
+                })
+                .collect()
+        };
         // (name, signature index, type) of each scalar argument.
         let scalars: Vec<(String, usize, AttrType)> = attrs
             .iter()
@@ -202,6 +224,9 @@ impl NativeDecl {
                     };
                     a.insert(n, v);
                 }
+                if !counted.is_empty() {
+                    return counted_infos(&results, &counted, args, &a);
+                }
                 const INLINE: usize = crate::torch_stable::xla::MAX_FRAME_ITEMS;
                 let mut inline: [&[i64]; INLINE] = [&[]; INLINE];
                 let heap: Vec<&[i64]>;
@@ -217,7 +242,7 @@ impl NativeDecl {
                 let mut out = Vec::with_capacity(results.len());
                 for r in &results {
                     // (torch's error carries the op's name: the rule's names the result.)
-                    let shape = result_shape(r, shapes, &a)?;
+                    let shape = result_shape(r, Shapes::Plain(shapes), &a)?;
                     let dtype = match r.dtype {
                         Ok(k) => infos
                             .get(k)
@@ -231,6 +256,61 @@ impl NativeDecl {
             },
         ))
     }
+}
+
+/// The results' infos of a kernel with optional or list parameters: each tensor parameter
+/// (`counted`: its signature index and kind) read off the stack as its [`ParamShape`] (an absent
+/// optional's `None`, a list's items), as jax's `ffi_call` and the Python op's rule see them.
+fn counted_infos(
+    results: &[Resolved],
+    counted: &[(usize, ArgKind)],
+    args: &crate::torch_stable::Args,
+    attrs: &Attrs<'_>,
+) -> Result<Vec<TensorInfo>, crate::torch_stable::KernelError> {
+    // Each parameter's tensors, flat, and where each parameter's start and end there.
+    let mut flat: Vec<Vec<i64>> = Vec::new();
+    let mut dtypes = Vec::with_capacity(counted.len());
+    let mut spans = Vec::with_capacity(counted.len());
+    for &(i, kind) in counted {
+        let at = flat.len();
+        let tensors = match kind {
+            ArgKind::OptTensor => args.opt_tensor(i)?.map_or(&[][..], std::slice::from_ref),
+            ArgKind::TensorList => args.tensor_list(i)?,
+            _ => std::slice::from_ref(args.tensor(i)?),
+        };
+        for t in tensors {
+            flat.push(t.sizes()?);
+        }
+        // (A `Like` dtype names a tensor parameter: one tensor.)
+        dtypes.push(match (kind, tensors) {
+            (ArgKind::Tensor, [t]) => Some(t.dtype()?),
+            _ => None,
+        });
+        spans.push((kind, at, flat.len()));
+    }
+    let views: Vec<&[i64]> = flat.iter().map(Vec::as_slice).collect();
+    let params: Vec<ParamShape<'_>> = spans
+        .iter()
+        .map(|&(kind, at, end)| match kind {
+            ArgKind::OptTensor => ParamShape::Optional((end > at).then(|| views[at])),
+            ArgKind::TensorList => ParamShape::List(&views[at..end]),
+            _ => ParamShape::Tensor(views[at]),
+        })
+        .collect();
+    let mut out = Vec::with_capacity(results.len());
+    for r in results {
+        let shape = result_shape(r, Shapes::Params(&params), attrs)?;
+        let dtype = match r.dtype {
+            Ok(k) => dtypes
+                .get(k)
+                .copied()
+                .flatten()
+                .ok_or_else(|| format!("result {}: no tensor argument {k}", r.name))?,
+            Err(d) => d,
+        };
+        out.push(TensorInfo { dtype, shape });
+    }
+    Ok(out)
 }
 
 /// Defines `op` in `ns` as a native op of the process's torch, with the version bump for
@@ -448,9 +528,29 @@ mod tests {
         let results =
             [ResultDef::like("y", "x"), ResultDef::rule("r", rows, ResultDType::Like("w")).residual()];
         let mut d = decl(None, &[("eps", "float64")], &[]);
-        d.results = resolve("k", &p, &[("eps", "float64")], &results).unwrap();
+        d.results = resolve("k", &p, &[("eps", "float64")], (&[], &[]), &results).unwrap();
         let op = d.op("k", &p, &[]).unwrap();
         assert_eq!(op.signature.schema().unwrap(), "k(Tensor x, Tensor w, float eps) -> (Tensor, Tensor)");
+        assert!(matches!(op.out, Some(OutRule::Dyn(_))));
+    }
+
+    #[test]
+    fn several_results_with_optional_and_list_parameters_make_a_tuple_schema() {
+        use super::super::results::{ParamShape, ResultDType, ResultDef, resolve};
+        fn count(p: &[ParamShape<'_>], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+            Ok(vec![p[1].list().map_or(0, <[_]>::len) as i64])
+        }
+        let p = params(&["x", "xs", "bias"]);
+        let results = [ResultDef::like("y", "x"), ResultDef::param_rule("n", count, ResultDType::Like("x"))];
+        let mut d = decl(None, &[], &[]);
+        d.optional = vec!["bias".into()];
+        d.lists = vec!["xs".into()];
+        d.results = resolve("k", &p, &[], (&["bias"], &["xs"]), &results).unwrap();
+        let op = d.op("k", &p, &[("bias".to_owned(), ScalarDefault::NoTensor)]).unwrap();
+        assert_eq!(
+            op.signature.schema().unwrap(),
+            "k(Tensor x, Tensor[] xs, Tensor? bias=None) -> (Tensor, Tensor)"
+        );
         assert!(matches!(op.out, Some(OutRule::Dyn(_))));
     }
 

@@ -177,22 +177,67 @@ impl OwnedAttr {
 /// A result's shape as a function of the tensor arguments' shapes (in parameter order, the
 /// attributes left out) and the attributes; an `Err` names what is wrong (the caller sees it as
 /// the kernel's error, under `jax.jit`, `torch.compile` and eagerly alike). Plain Rust, no
-/// Python: the native torch op's Meta and CPU kernels call it too.
+/// Python: the native torch op's Meta and CPU kernels call it too. One shape per tensor
+/// parameter: a kernel with an optional or a list parameter
+/// ([`KernelDef::optional`](super::KernelDef::optional), [`lists`](super::KernelDef::lists))
+/// declares its rules as [`ParamShapeFn`]s instead.
 pub type ShapeFn = fn(&[&[i64]], &Attrs<'_>) -> Result<Vec<i64>, String>;
+
+/// One tensor parameter's shape as a [`ParamShapeFn`] reads it: a tensor's, an optional tensor's
+/// (absent when the caller passed `None`), or each item's of a list of tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamShape<'a> {
+    /// A tensor parameter's shape.
+    Tensor(&'a [i64]),
+    /// An optional tensor parameter's shape; `None` when the caller passed `None`.
+    Optional(Option<&'a [i64]>),
+    /// A list-of-tensors parameter: each item's shape, in order (empty for an empty list).
+    List(&'a [&'a [i64]]),
+}
+
+impl<'a> ParamShape<'a> {
+    /// The shape of a tensor parameter, or of an optional one that is present (`None` for an
+    /// absent optional or a list).
+    pub fn tensor(&self) -> Option<&'a [i64]> {
+        match *self {
+            Self::Tensor(s) | Self::Optional(Some(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The items' shapes of a list parameter (`None` for another kind).
+    pub fn list(&self) -> Option<&'a [&'a [i64]]> {
+        match *self {
+            Self::List(l) => Some(l),
+            _ => None,
+        }
+    }
+}
+
+/// A result's shape as a function of each tensor parameter's shape, one [`ParamShape`] per
+/// tensor parameter in parameter order (the attributes left out): an optional parameter's absent
+/// when the caller passed `None`, a list parameter's a slice of its items' shapes. Otherwise as
+/// [`ShapeFn`] (every mode calls the same rule); for any kernel, and the only rule form of a
+/// kernel with optional or list parameters.
+pub type ParamShapeFn = fn(&[ParamShape<'_>], &Attrs<'_>) -> Result<Vec<i64>, String>;
 
 /// How a result's shape is found.
 #[derive(Debug, Clone, Copy)]
 pub enum ResultShape<'a> {
-    /// The shape of tensor parameter `name`.
+    /// The shape of tensor parameter `name` (not an optional or list one).
     Like(&'a str),
-    /// A rule over the arguments' shapes and the attributes (a reduction, a matmul, ...).
+    /// A rule over the arguments' shapes and the attributes (a reduction, a matmul, ...), one
+    /// shape per tensor parameter: not for a kernel with optional or list parameters.
     Rule(ShapeFn),
+    /// A rule over each tensor parameter's [`ParamShape`] and the attributes: any kernel,
+    /// optional and list parameters included.
+    ParamRule(ParamShapeFn),
 }
 
 /// How a result's dtype is found.
 #[derive(Debug, Clone, Copy)]
 pub enum ResultDType<'a> {
-    /// The dtype of tensor parameter `name`.
+    /// The dtype of tensor parameter `name` (not an optional or list one).
     Like(&'a str),
     /// Always this dtype.
     Is(DataType),
@@ -223,10 +268,33 @@ impl<'a> ResultDef<'a> {
         Self { name, shape: ResultShape::Rule(shape), dtype, residual: false }
     }
 
+    /// A result of the shape `shape` computes from each tensor parameter's [`ParamShape`] (an
+    /// optional's absent when `None`, a list's one per item), its dtype `dtype`: the rule form of
+    /// a kernel with optional or list parameters.
+    pub const fn param_rule(name: &'a str, shape: ParamShapeFn, dtype: ResultDType<'a>) -> Self {
+        Self { name, shape: ResultShape::ParamRule(shape), dtype, residual: false }
+    }
+
     /// The same result, marked a residual.
     pub const fn residual(self) -> Self {
         Self { residual: true, ..self }
     }
+}
+
+/// A result's shape rule resolved (`Like` as the index among the tensor parameters).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Shape {
+    Like(usize),
+    Rule(ShapeFn),
+    Params(ParamShapeFn),
+}
+
+/// The tensor arguments' shapes as [`result_shape`] reads them: one per tensor parameter
+/// (`Plain`, a kernel without optional or list parameters), or each parameter's [`ParamShape`].
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Shapes<'s, 'a> {
+    Plain(&'s [&'a [i64]]),
+    Params(&'s [ParamShape<'a>]),
 }
 
 /// A result's rule with its parameter names resolved: `Like` as the index among the tensor
@@ -234,31 +302,52 @@ impl<'a> ResultDef<'a> {
 #[derive(Debug, Clone)]
 pub(super) struct Resolved {
     pub(super) name: String,
-    pub(super) shape: Result<usize, ShapeFn>,
+    pub(super) shape: Shape,
     pub(super) dtype: Result<usize, DataType>,
     pub(super) residual: bool,
 }
 
 /// `results` with their `Like` names resolved against `params` (the function's parameters)
-/// less `attrs`; a clear error (the field and the value) for a declaration that cannot hold.
+/// less `attrs`; `counted`, the optional and the list parameters (neither a `Like` rule's nor
+/// read by a [`ShapeFn`]); a clear error (the field and the value) for a declaration that
+/// cannot hold.
 pub(super) fn resolve(
     kernel: &str,
     params: &[String],
     attrs: &[(&str, &str)],
+    counted: (&[&str], &[&str]),
     results: &[ResultDef<'_>],
 ) -> Result<Vec<Resolved>, String> {
     let tensors: Vec<&str> =
         params.iter().map(String::as_str).filter(|p| !attrs.iter().any(|(a, _)| a == p)).collect();
+    let kind_of = |p: &str| {
+        if counted.0.contains(&p) {
+            Some("an optional tensor")
+        } else if counted.1.contains(&p) {
+            Some("a list of tensors")
+        } else {
+            None
+        }
+    };
+    let first_counted = tensors.iter().find_map(|&t| kind_of(t).map(|k| (t, k)));
     let bad =
         |i: usize, r: &ResultDef<'_>, m: String| format!("kernel {kernel}: results[{i}] ({}): {m}", r.name);
     let like = |i: usize, r: &ResultDef<'_>, what: &str, p: &str| {
-        tensors.iter().position(|t| *t == p).ok_or_else(|| {
+        let k = tensors.iter().position(|t| *t == p).ok_or_else(|| {
             bad(
                 i,
                 r,
                 format!("{what} like {p:?}, which is no tensor parameter (tensors: {})", tensors.join(", ")),
             )
-        })
+        })?;
+        match kind_of(p) {
+            Some(kind) => Err(bad(
+                i,
+                r,
+                format!("{what} like {p:?}, which is {kind}: name a tensor parameter, or give a rule"),
+            )),
+            None => Ok(k),
+        }
     };
     let mut out = Vec::with_capacity(results.len());
     for (i, r) in results.iter().enumerate() {
@@ -285,8 +374,21 @@ pub(super) fn resolve(
             return Err(bad(i, r, "a second result of that name".into()));
         }
         let shape = match r.shape {
-            ResultShape::Like(p) => Ok(like(i, r, "shape", p)?),
-            ResultShape::Rule(f) => Err(f),
+            ResultShape::Like(p) => Shape::Like(like(i, r, "shape", p)?),
+            ResultShape::Rule(f) => match first_counted {
+                Some((p, kind)) => {
+                    return Err(bad(
+                        i,
+                        r,
+                        format!(
+                            "a ShapeFn rule reads one shape per tensor parameter, but {p:?} is {kind}: \
+                             declare it ResultDef::param_rule (a ParamShapeFn reads each parameter's ParamShape)"
+                        ),
+                    ));
+                }
+                None => Shape::Rule(f),
+            },
+            ResultShape::ParamRule(f) => Shape::Params(f),
         };
         let dtype = match r.dtype {
             ResultDType::Like(p) => Ok(like(i, r, "dtype", p)?),
@@ -305,7 +407,7 @@ pub(super) fn resolve(
 pub(super) fn result_shapes(
     kernel: &str,
     results: &[Resolved],
-    shapes: &[&[i64]],
+    shapes: Shapes<'_, '_>,
     attrs: &Attrs<'_>,
 ) -> Result<Vec<Vec<i64>>, String> {
     results.iter().map(|r| result_shape(r, shapes, attrs).map_err(|e| format!("{kernel}: {e}"))).collect()
@@ -313,10 +415,29 @@ pub(super) fn result_shapes(
 
 /// One result's shape by its rule (see [`result_shapes`]); an error names the result (the caller
 /// names the kernel: the native op's errors carry its name already).
-pub(super) fn result_shape(r: &Resolved, shapes: &[&[i64]], attrs: &Attrs<'_>) -> Result<Vec<i64>, String> {
-    let shape = match r.shape {
-        Ok(k) => shapes.get(k).ok_or_else(|| format!("result {}: no tensor argument {k}", r.name))?.to_vec(),
-        Err(f) => f(shapes, attrs).map_err(|e| format!("result {}: {e}", r.name))?,
+pub(super) fn result_shape(
+    r: &Resolved,
+    shapes: Shapes<'_, '_>,
+    attrs: &Attrs<'_>,
+) -> Result<Vec<i64>, String> {
+    let no_tensor = |k: usize| format!("result {}: no tensor argument {k}", r.name);
+    let shape = match (r.shape, shapes) {
+        (Shape::Like(k), Shapes::Plain(s)) => s.get(k).ok_or_else(|| no_tensor(k))?.to_vec(),
+        (Shape::Like(k), Shapes::Params(s)) => {
+            s.get(k).and_then(ParamShape::tensor).ok_or_else(|| no_tensor(k))?.to_vec()
+        }
+        (Shape::Rule(f), Shapes::Plain(s)) => f(s, attrs).map_err(|e| format!("result {}: {e}", r.name))?,
+        (Shape::Rule(_), Shapes::Params(_)) => {
+            // (resolve refuses a ShapeFn for a kernel with optional or list parameters.)
+            return Err(format!("result {}: a ShapeFn rule cannot read optional or list parameters", r.name));
+        }
+        (Shape::Params(f), Shapes::Params(s)) => {
+            f(s, attrs).map_err(|e| format!("result {}: {e}", r.name))?
+        }
+        (Shape::Params(f), Shapes::Plain(s)) => {
+            let view: Vec<ParamShape<'_>> = s.iter().map(|&t| ParamShape::Tensor(t)).collect();
+            f(&view, attrs).map_err(|e| format!("result {}: {e}", r.name))?
+        }
     };
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
         return Err(format!("result {}: the shape rule gave extent {d} in {shape:?}", r.name));
@@ -354,8 +475,8 @@ mod tests {
     #[test]
     fn a_rule_whose_element_count_overflows_is_refused_naming_the_result() {
         let results = [ResultDef::rule("big", huge, ResultDType::Is(DataType::INT32))];
-        let resolved = resolve("k", &params(&["x"]), &[], &results).unwrap();
-        let e = result_shapes("k", &resolved, &[&[2, 3]], &Attrs::new()).unwrap_err();
+        let resolved = resolve("k", &params(&["x"]), &[], (&[], &[]), &results).unwrap();
+        let e = result_shapes("k", &resolved, Shapes::Plain(&[&[2, 3]]), &Attrs::new()).unwrap_err();
         assert!(e.contains("result big") && e.contains("overflows"), "{e}");
     }
 
@@ -365,16 +486,17 @@ mod tests {
             ResultDef::like("y", "w"),
             ResultDef::rule("r", rows, ResultDType::Is(DataType::INT32)).residual(),
         ];
-        let r = resolve("k", &params(&["x", "eps", "w"]), &[("eps", "float64")], &results).unwrap();
+        let r =
+            resolve("k", &params(&["x", "eps", "w"]), &[("eps", "float64")], (&[], &[]), &results).unwrap();
         // w is tensor 1 (eps is an attribute).
-        assert_eq!(r[0].shape, Ok(1));
+        assert!(matches!(r[0].shape, Shape::Like(1)));
         assert_eq!(r[0].dtype, Ok(1));
         assert!(r[1].residual && r[1].dtype == Err(DataType::INT32));
         let mut a = Attrs::new();
         a.insert("k", AttrValue::Int(3));
-        let shapes = result_shapes("k", &r, &[&[4, 5], &[5]], &a).unwrap();
+        let shapes = result_shapes("k", &r, Shapes::Plain(&[&[4, 5], &[5]]), &a).unwrap();
         assert_eq!(shapes, vec![vec![5], vec![12]]);
-        let e = result_shapes("k", &r, &[&[4, 5, 6], &[5]], &a).unwrap_err();
+        let e = result_shapes("k", &r, Shapes::Plain(&[&[4, 5, 6], &[5]]), &a).unwrap_err();
         assert_eq!(e, "k: result r: x: expected 2 dimensions, got Some([4, 5, 6])");
     }
 
@@ -382,25 +504,27 @@ mod tests {
     fn a_bad_declaration_names_the_result_and_the_value() {
         let p = params(&["x", "eps"]);
         let attrs = [("eps", "float64")];
-        let e = resolve("k", &p, &attrs, &[ResultDef::like("y", "eps")]).unwrap_err();
+        let e = resolve("k", &p, &attrs, (&[], &[]), &[ResultDef::like("y", "eps")]).unwrap_err();
         assert_eq!(
             e,
             "kernel k: results[0] (y): shape like \"eps\", which is no tensor parameter (tensors: x)"
         );
-        let e = resolve("k", &p, &attrs, &[ResultDef::like("x", "x")]).unwrap_err();
+        let e = resolve("k", &p, &attrs, (&[], &[]), &[ResultDef::like("x", "x")]).unwrap_err();
         assert!(e.contains("results[0] (x): the name is taken"), "{e}");
-        let e =
-            resolve("k", &p, &attrs, &[ResultDef::like("y", "x"), ResultDef::like("y", "x")]).unwrap_err();
+        let e = resolve("k", &p, &attrs, (&[], &[]), &[ResultDef::like("y", "x"), ResultDef::like("y", "x")])
+            .unwrap_err();
         assert!(e.contains("results[1] (y): a second result"), "{e}");
-        let e = resolve("k", &p, &attrs, &[ResultDef::like("9y", "x")]).unwrap_err();
+        let e = resolve("k", &p, &attrs, (&[], &[]), &[ResultDef::like("9y", "x")]).unwrap_err();
         assert!(e.contains("letters, digits and underscores"), "{e}");
-        let e = resolve("k", &p, &attrs, &[ResultDef::like("y", "x").residual()]).unwrap_err();
+        let e = resolve("k", &p, &attrs, (&[], &[]), &[ResultDef::like("y", "x").residual()]).unwrap_err();
         assert!(e.contains("every result is a residual"), "{e}");
         fn negative(_: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
             Ok(vec![-1])
         }
-        let r = resolve("k", &p, &attrs, &[ResultDef::rule("y", negative, ResultDType::Like("x"))]).unwrap();
-        let e = result_shapes("k", &r, &[&[2]], &Attrs::new()).unwrap_err();
+        let r =
+            resolve("k", &p, &attrs, (&[], &[]), &[ResultDef::rule("y", negative, ResultDType::Like("x"))])
+                .unwrap();
+        let e = result_shapes("k", &r, Shapes::Plain(&[&[2]]), &Attrs::new()).unwrap_err();
         assert_eq!(e, "k: result y: the shape rule gave extent -1 in [-1]");
     }
 
@@ -425,5 +549,69 @@ mod tests {
         assert_eq!(a.bools("mask"), Ok(&[true][..]));
         assert_eq!(a.i64s("mode").unwrap_err(), "attribute mode: no int array attribute of that name");
         assert_eq!(a.str("axes").unwrap_err(), "attribute axes: no str attribute of that name");
+    }
+
+    /// A rule over each parameter's shape: the bias's (absent when None), every list item's.
+    fn stacked(p: &[ParamShape<'_>], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+        let items = p[1].list().ok_or("xs: not a list")?;
+        let extra = i64::from(p[2].tensor().is_some());
+        Ok(vec![items.len() as i64 + extra, p[0].tensor().ok_or("x: absent")?[0]])
+    }
+
+    #[test]
+    fn a_param_rule_sees_optionals_as_absent_and_lists_as_lists() {
+        let p = params(&["x", "xs", "bias", "eps"]);
+        let attrs = [("eps", "float64")];
+        let results = [
+            ResultDef::param_rule("y", stacked, ResultDType::Like("x")),
+            ResultDef::like("r", "x").residual(),
+        ];
+        let r = resolve("k", &p, &attrs, (&["bias"], &["xs"]), &results).unwrap();
+        assert!(r[0].dtype == Ok(0) && matches!(r[1].shape, Shape::Like(0)));
+        let items: [&[i64]; 2] = [&[3], &[3]];
+        let args = [ParamShape::Tensor(&[3]), ParamShape::List(&items), ParamShape::Optional(None)];
+        let shapes = result_shapes("k", &r, Shapes::Params(&args), &Attrs::new()).unwrap();
+        assert_eq!(shapes, vec![vec![2, 3], vec![3]]);
+        let args = [ParamShape::Tensor(&[3]), ParamShape::List(&[]), ParamShape::Optional(Some(&[3]))];
+        let shapes = result_shapes("k", &r, Shapes::Params(&args), &Attrs::new()).unwrap();
+        assert_eq!(shapes, vec![vec![1, 3], vec![3]]);
+        // The same rule on a kernel without optional or list parameters reads plain shapes.
+        fn first(p: &[ParamShape<'_>], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+            Ok(p[0].tensor().unwrap().to_vec())
+        }
+        let r = resolve(
+            "k",
+            &params(&["x"]),
+            &[],
+            (&[], &[]),
+            &[ResultDef::param_rule("y", first, ResultDType::Like("x"))],
+        )
+        .unwrap();
+        assert_eq!(
+            result_shapes("k", &r, Shapes::Plain(&[&[4, 2]]), &Attrs::new()).unwrap(),
+            vec![vec![4, 2]]
+        );
+    }
+
+    #[test]
+    fn optional_and_list_parameters_refuse_shape_fns_and_like_rules() {
+        let p = params(&["x", "xs", "bias"]);
+        let counted: (&[&str], &[&str]) = (&["bias"], &["xs"]);
+        let e = resolve("k", &p, &[], counted, &[ResultDef::rule("y", rows, ResultDType::Like("x"))])
+            .unwrap_err();
+        assert!(
+            e.starts_with("kernel k: results[0] (y): a ShapeFn rule reads one shape per tensor parameter"),
+            "{e}"
+        );
+        assert!(e.contains("\"xs\" is a list of tensors") && e.contains("ResultDef::param_rule"), "{e}");
+        let e = resolve("k", &p, &[], counted, &[ResultDef::like("y", "bias")]).unwrap_err();
+        assert_eq!(
+            e,
+            "kernel k: results[0] (y): shape like \"bias\", which is an optional tensor: name a tensor parameter, or give a rule"
+        );
+        let e =
+            resolve("k", &p, &[], counted, &[ResultDef::param_rule("y", stacked, ResultDType::Like("xs"))])
+                .unwrap_err();
+        assert!(e.contains("dtype like \"xs\", which is a list of tensors"), "{e}");
     }
 }
