@@ -154,11 +154,15 @@ def _attr_refusal(kernel: str, name: str, declared: str, value: Any, why: str = 
     )
 
 
-def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
+def _attr_value(kernel: str, name: str, declared: str, value: Any, compiled: bool = False) -> Any:
     """A str or array attribute's value checked against its declared type: the str itself, or
     the array as a tuple of Python numbers (hashable: jax keeps it static). A value of another
     type (a list for a str, a float or a bool in an int array, a str for an array) is refused,
-    naming the attribute, its declared type and the value; never converted silently."""
+    naming the attribute, its declared type and the value; never converted silently.
+
+    ``compiled``: traced by dynamo, where a numpy scalar element is a traced array (its value
+    unknown until run): it is handed to the op as it is, which takes it as torch's own custom
+    ops do (their schema checks it), rather than refused for a type it only has while traced."""
     if declared == "str":
         if not isinstance(value, str):
             raise _attr_refusal(kernel, name, declared, value)
@@ -178,6 +182,7 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
     except TypeError:
         raise _attr_refusal(kernel, name, declared, value) from None
     out: list[Any] = []
+    traced = False
     ints = declared in ("int64[]", "int32[]")
     floats = declared in ("float64[]", "float32[]")
     lo, hi = _INT32 if declared == "int32[]" else _INT64
@@ -186,6 +191,10 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
         # A Python int, float or bool where it belongs needs no ABC check (the usual element).
         if (tp is int and ints) or (tp is float and floats) or (tp is bool and not ints and not floats):
             ok, v = True, e
+        elif compiled and tp.__name__ == "ndarray":
+            out.append(e)
+            traced = True
+            continue
         else:
             bool_like = tp.__name__ in ("bool", "bool_")
             if not ints and not floats:
@@ -207,7 +216,9 @@ def _attr_value(kernel: str, name: str, declared: str, value: Any) -> Any:
         if ints and not lo <= v <= hi:  # type: ignore[operator]
             raise _attr_refusal(kernel, name, declared, value, f" (element {i}, {v}, does not fit an {declared[:-2]})")
         out.append(v)
-    return tuple(out)
+    # (A list where an element is traced: dynamo hands a list's numpy scalars to the op as
+    # numbers, as it does for torch's own custom ops; a tuple of them reaches the op as tensors.)
+    return out if traced else tuple(out)
 
 
 def _schema_default(declared: str, value: Any) -> str | None:
@@ -947,7 +958,7 @@ class Kernel:
         vals = self._bind(args, kwargs)
         for i in self._checked_idx:
             n = self._params[i]
-            vals[i] = _attr_value(self.__name__, n, self._attrs[n], vals[i])
+            vals[i] = _attr_value(self.__name__, n, self._attrs[n], vals[i], compiled=True)
         return vals
 
     @staticmethod

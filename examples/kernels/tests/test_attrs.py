@@ -197,6 +197,30 @@ def test_compile_fullgraph(torch, axes, mode):
     torch.testing.assert_close(y, torch.from_numpy(np.asarray(reference(x.numpy(), axes, mode))) * 2)
 
 
+def test_numpy_scalars_in_an_array_attribute_compile_as_torch_takes_them(torch):
+    """numpy integers written in the compiled function (dynamo traces them as arrays, values
+    unknown) reach the op as torch's own custom ops take them, for the native op and for the
+    Python custom op of a kernel made from Python; before, the check refused them and building
+    its message broke the graph ("repr() on tensor")."""
+    x = torch.from_numpy(data())
+    py = dlbridge.kernels.kernel(
+        K.reduce.__wrapped__,
+        name="reduce_np_scalars",
+        namespace="dlbridge_attrs_test",
+        attrs={"axes": "int64[]", "mode": "str"},
+        ffi=K.reduce._ffi,
+        results=("total",),
+        result_rule=K.reduce._result_rule,
+    )
+    for k in (K.reduce, py):
+        torch._dynamo.reset()
+        c = torch.compile(lambda a: k(a, [np.int64(0)], "sum"), fullgraph=True)
+        torch.testing.assert_close(c(x), x.sum(0))
+        torch._dynamo.reset()
+        c = torch.compile(lambda a: k(a, (np.int32(1), -1), "mean"), fullgraph=True)
+        torch.testing.assert_close(c(x), x.mean((1, 2)))
+
+
 def test_compile_poly_and_torch_func_vmap(torch):
     torch._dynamo.reset()
     x = torch.from_numpy(data())
