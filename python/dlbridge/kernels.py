@@ -321,6 +321,21 @@ def _route_of(tp: type) -> int:
     return route
 
 
+def _route(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    """Where a kernel call goes, from its arguments' types (the bits of ``_ROUTE``): 1 a jax
+    tracer, 2 a plain torch tensor, 8 added when it requires grad, 4 a torch subclass, 16 a list
+    or tuple (whose items ``Kernel._route_with_items`` then counts); 0 for none of them."""
+    route = 0
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        r = _ROUTE.get(type(a))
+        if r is None:
+            r = _route_of(type(a))
+        if r == 2 and a.requires_grad:
+            r = 10
+        route |= r
+    return route
+
+
 class _Out:
     """The output rule: like a tensor parameter, or a callable over the tensor arguments."""
 
@@ -882,22 +897,7 @@ class Kernel:
             return y
         if _PENDING_TORCH:
             _make_pending_torch_ops()
-        route = 0
-        for a in args:
-            r = _ROUTE.get(type(a))
-            if r is None:
-                r = _route_of(type(a))
-            if r == 2 and a.requires_grad:
-                r = 10
-            route |= r
-        if kwargs:
-            for a in kwargs.values():
-                r = _ROUTE.get(type(a))
-                if r is None:
-                    r = _route_of(type(a))
-                if r == 2 and a.requires_grad:
-                    r = 10
-                route |= r
+        route = _route(args, kwargs)
         if route == 0:
             try:
                 return self._fn(*args, **kwargs)
@@ -963,19 +963,16 @@ class Kernel:
 
     @staticmethod
     def _route_with_items(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
-        """The call's route (as ``__call__`` finds it) with the items of list and tuple arguments
-        counted (a list of jax tracers goes to jax, of torch tensors that require grad to autograd)."""
-        route = 0
-        for a in [*args, *kwargs.values()]:
-            items = a if type(a) is list or type(a) is tuple else (a,)
-            for t in items:
-                r = _ROUTE.get(type(t))
-                if r is None:
-                    r = _route_of(type(t))
-                if r == 2 and t.requires_grad:
-                    r = 10
-                route |= r & ~16
-        return route
+        """The call's route (``_route``, the one rule) with the items of list and tuple arguments
+        counted instead (a list of jax tracers goes to jax, of torch tensors that require grad to
+        autograd); a list nested in one counts for nothing."""
+        items: list[Any] = []
+        for a in (*args, *kwargs.values()):
+            if type(a) is list or type(a) is tuple:
+                items.extend(a)
+            else:
+                items.append(a)
+        return _route(items, {}) & ~16
 
     def _refuse_nones_in(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """``_refuse_nones`` over a call's arguments, if one is None."""
