@@ -378,7 +378,7 @@ class Kernel:
                 )
         if namespace in _RESERVED_NAMESPACES:
             raise ValueError(f"kernel: namespace={namespace!r} is reserved by torch: choose another")
-        self.__name__ = name or getattr(fn, "__name__", "kernel")
+        self.__name__: str = name or str(getattr(fn, "__name__", "kernel"))
         self.__qualname__ = self.__name__
         self.__wrapped__ = fn
         module = getattr(fn, "__module__", None) or "extension"
