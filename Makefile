@@ -119,9 +119,10 @@ py-test: develop ## the Python tests (shipped suite, examples, README and guide,
 matrix: $(STAMP) ## the shipped suite on CPython 3.10, 3.12, 3.13, 3.14, 3.15; torch 2.11 too
 	bash scripts/matrix.sh
 
-# The .pyi stubs must match the compiled module.
-stubs: develop ## stubtest: the .pyi stubs match the module
+# The .pyi stubs must match the compiled module, and the package's Python type-checks.
+stubs: develop ## stubtest: the .pyi stubs match the module; mypy over the package's Python
 	cd /tmp && $(PY) -m mypy.stubtest dlbridge._dlbridge --mypy-config-file $(CURDIR)/pyproject.toml
+	$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml python/dlbridge/__init__.py python/dlbridge/kernels.py
 
 # What the registries would get: the crate built from its packaged files (cargo publish --dry-run),
 # the sdist built once into a release wheel that auditwheel calls manylinux, that wheel smoke-tested
