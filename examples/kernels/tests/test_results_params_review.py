@@ -1,0 +1,61 @@
+"""Edge cases of affine_rowsum and stack_sums (several results with an optional tensor or a list
+of tensors): empty extents, long lists, and what each mode does with them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dlbridge.kernels
+import dlbridge_kernels as K
+
+
+@pytest.fixture
+def torch():
+    t = pytest.importorskip("torch")
+    dlbridge.kernels.torch_ready()
+    return t
+
+
+@pytest.fixture
+def jax():
+    return pytest.importorskip("jax")
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_zero_length_items_sum_to_zero_in_every_mode(torch, jax, k):
+    """Each item of length 0: `stacked` is (k, 0) and every sum is 0. The sums were never
+    written when the stacked rows were empty (the rows drove the loop), so the result buffer's
+    old contents came back: the native op's and jax.jit's buffers are not zeroed."""
+    jnp = jax.numpy
+    zero = np.zeros(k, np.float32)
+    for s, sums in (
+        K.stack_sums([np.zeros(0, np.float32)] * k),
+        K.stack_sums([torch.zeros(0)] * k),
+        torch.ops.dlbridge_kernels.stack_sums([torch.zeros(0)] * k),
+        jax.jit(K.stack_sums)([jnp.zeros(0, jnp.float32)] * k),
+    ):
+        assert tuple(s.shape) == (k, 0)
+        np.testing.assert_array_equal(np.asarray(sums), zero)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5])
+def test_zero_columns_total_zero_in_every_mode(torch, jax, rows):
+    """x of shape (rows, 0): y is (rows, 0) and every row's total is 0 (the totals were left
+    unwritten, as above), with and without a bias; opcheck agrees with the Meta kernel."""
+    jnp = jax.numpy
+    zero = np.zeros(rows, np.float32)
+    x, w = np.zeros((rows, 0), np.float32), np.zeros(0, np.float32)
+    tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+    for y, total in (
+        K.affine_rowsum(x, w),
+        K.affine_rowsum(x, w, w),
+        torch.ops.dlbridge_kernels.affine_rowsum(tx, tw, None),
+        torch.ops.dlbridge_kernels.affine_rowsum(tx, tw, tw),
+        jax.jit(K.affine_rowsum)(jnp.asarray(x), jnp.asarray(w)),
+        jax.jit(K.affine_rowsum)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(w)),
+    ):
+        assert tuple(y.shape) == (rows, 0)
+        np.testing.assert_array_equal(np.asarray(total), zero)
+    result = torch.library.opcheck(K.affine_rowsum._overload, (tx, tw, tw))
+    assert set(result.values()) == {"SUCCESS"}, result
