@@ -562,6 +562,9 @@ class Kernel:
                         f"{self.__name__}: argument {n!r} is a list of tensors (lists={list(self._lists)}): "
                         f"pass a list or tuple of tensors, not {type(v).__name__}"
                     )
+                for e in v:
+                    if e is None:
+                        self._refuse_none_items(n, v)
                 flat.extend(v)
                 counts.append((f"{n}.count", len(v)))
         return flat, tuple(counts)
@@ -898,7 +901,11 @@ class Kernel:
         if route & 16:
             route = self._route_with_items(args, kwargs)
             if route == 0:
-                return self._fn(*args, **kwargs)
+                try:
+                    return self._fn(*args, **kwargs)
+                except TypeError:
+                    self._refuse_nones_in(args, kwargs)  # a None item of a list, named
+                    raise
         if route & 1:
             return self._jax_call(self._bind(args, kwargs))
         if route & 4:
@@ -968,7 +975,7 @@ class Kernel:
 
     def _refuse_nones_in(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """``_refuse_nones`` over a call's arguments, if one is None."""
-        if any(a is None for a in args) or any(a is None for a in kwargs.values()):
+        if any(a is None or (isinstance(a, (list, tuple)) and any(e is None for e in a)) for a in [*args, *kwargs.values()]):
             try:
                 vals = self._bind(tuple(args), dict(kwargs))
             except TypeError:
@@ -976,10 +983,23 @@ class Kernel:
             self._refuse_nones(vals)
 
     def _refuse_nones(self, vals: Sequence[Any]) -> None:
-        """None for a tensor parameter that is not optional: said in the author's terms."""
+        """None for a tensor parameter that is not optional, or for an item of a list: said in
+        the author's terms."""
         for i, k in zip(self._tensor_idx, self._kinds, strict=True):
             if k == 0 and i < len(vals) and vals[i] is None:
                 self._refuse_none(self._params[i])
+            if k == 2 and i < len(vals) and isinstance(vals[i], (list, tuple)):
+                self._refuse_none_items(self._params[i], vals[i])
+
+    def _refuse_none_items(self, n: str, items: Sequence[Any]) -> None:
+        """A None among the items of list parameter ``n``: refused naming the item (torch's schema
+        and jax's conversion would name neither the kernel nor the argument)."""
+        for j, e in enumerate(items):
+            if e is None:
+                raise TypeError(
+                    f"{self.__name__}: argument {n!r}[{j}] is None, but {n!r} is a list of tensors "
+                    f"(lists={list(self._lists)}): every item is a tensor; leave the item out of the list"
+                )
 
     def _attr_dict(self, inputs: Sequence[Any]) -> dict[str, Any]:
         """The attributes among the op's ``inputs`` by name, each array a tuple (torch's op passes

@@ -59,3 +59,24 @@ def test_zero_columns_total_zero_in_every_mode(torch, jax, rows):
         np.testing.assert_array_equal(np.asarray(total), zero)
     result = torch.library.opcheck(K.affine_rowsum._overload, (tx, tw, tw))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_a_none_item_in_a_list_is_refused_naming_the_item_in_every_mode(torch, jax):
+    """None among a list's items: numpy and torch eagerly said "item 1: expected an array"
+    (no kernel, no argument), a torch tensor that requires grad gave torch's schema error
+    ("Expected a value of type 'List[Tensor]'"), and jax.jit "None is not a valid value for
+    jnp.array"; each now names the kernel and the item."""
+    jnp = jax.numpy
+    match = r"stack_sums: argument 'xs'\[1\] is None, but 'xs' is a list of tensors"
+    calls = [
+        lambda: K.stack_sums([np.ones(5, np.float32), None]),
+        lambda: K.stack_sums((torch.ones(5), None)),
+        lambda: K.stack_sums([torch.ones(5, requires_grad=True), None]),
+        lambda: torch.func.grad(lambda a: K.stack_sums([a, None])[1].sum())(torch.ones(5)),
+        lambda: K.stack_sums([jnp.ones(5), None]),
+        lambda: jax.jit(K.stack_sums)([jnp.ones(5), None]),
+        lambda: jax.grad(lambda a: K.stack_sums([a, None])[1].sum())(jnp.ones(5)),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=match):
+            call()
