@@ -80,3 +80,19 @@ def test_a_none_item_in_a_list_is_refused_naming_the_item_in_every_mode(torch, j
     for call in calls:
         with pytest.raises(TypeError, match=match):
             call()
+
+
+@pytest.mark.parametrize("n", [17, 30])
+def test_a_list_past_the_native_frame_is_refused_naming_the_list_and_its_length(torch, n):
+    """The native op's frame holds 16 operands. A longer list was refused as "stack_sums:
+    stack_sums: 17 tensor operands (at most 16)": the op named twice, the count where the frame
+    filled (17 for 30 items), the list not named. 16 items pass; eagerly any length does."""
+    xs = [torch.ones(5) for _ in range(16)]
+    torch.testing.assert_close(K.stack_sums([t.requires_grad_() for t in xs])[1], torch.full((16,), 5.0))
+    xs = [torch.ones(5, requires_grad=True) for _ in range(n)]
+    torch.testing.assert_close(K.stack_sums([t.detach() for t in xs])[1], torch.full((n,), 5.0))
+    with pytest.raises(RuntimeError) as e:
+        K.stack_sums(xs)
+    message = str(e.value)
+    assert f"{n} tensor operands (xs: a list of {n} tensors)" in message, message
+    assert "at most 16" in message and "stack_sums: stack_sums" not in message, message
