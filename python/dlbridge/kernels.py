@@ -2077,7 +2077,12 @@ def _fit_inputs(ctx: Any, result: tuple[Any, ...]) -> tuple[Any, ...]:
     so, a call that leaves out trailing defaulted arguments (``Tensor? bias=None``) has fewer
     inputs than parameters (``ctx.needs_input_grad`` says how many), and torch.library refuses
     a gradient for each parameter ("Expected the return from backward to be of the same
-    structure as the inputs"). What is cut is a left-out argument's: None."""
+    structure as the inputs"). What is cut is a left-out argument's: None. Not for
+    ``_flat_func``'s ``autograd.Function`` (``ctx.dlbridge_spec``): its inputs are the lists' items,
+    flat, which may be fewer than the parameters (two empty lists), and its backward maps the
+    gradients, one per parameter, onto them itself."""
+    if hasattr(ctx, "dlbridge_spec"):
+        return result
     n = len(ctx.needs_input_grad)
     return result[:n] if n < len(result) else result
 

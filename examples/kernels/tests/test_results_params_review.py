@@ -96,3 +96,37 @@ def test_a_list_past_the_native_frame_is_refused_naming_the_list_and_its_length(
     message = str(e.value)
     assert f"{n} tensor operands (xs: a list of {n} tensors)" in message, message
     assert "at most 16" in message and "stack_sums: stack_sums" not in message, message
+
+
+def scaled_by_count(xs, ys, w):
+    """``w * (1 + len(xs) + len(ys))``: a kernel with two list parameters before a tensor."""
+    return w * (1 + len(xs) + len(ys))
+
+
+def test_torch_func_grad_after_two_empty_lists_is_right(torch):
+    """Under torch.func each list's items are inputs of their own, so two empty lists make fewer
+    inputs (the lists' lengths, then w) than parameters (xs, ys, w). The backward's gradients, one
+    per parameter, were cut to the inputs' count as for a call leaving out a trailing default:
+    w's gradient was dropped and torch.func.grad gave zeros, silently."""
+
+    def backward(named):
+        g, k = named["grad"], 1 + len(named["xs"]) + len(named["ys"])
+        zeros = lambda ts: [torch.zeros_like(t) for t in ts]  # noqa: E731
+        return {"w": g * k, "xs": zeros(named["xs"]), "ys": zeros(named["ys"])}
+
+    k = dlbridge.kernels.kernel(
+        scaled_by_count,
+        name="scaled_by_count",
+        namespace="dlbridge_review_test",
+        lists=["xs", "ys"],
+        out="w",
+        backward=backward,
+    )
+    w = torch.tensor([1.0, -2.0, 3.0])
+    for xs, ys in (([], []), ([torch.ones(2)], []), ([], [torch.ones(2)] * 2)):
+        n = 1 + len(xs) + len(ys)
+        torch.testing.assert_close(torch.func.grad(lambda w: k(xs, ys, w).sum())(w), torch.full((3,), float(n)))
+        torch.testing.assert_close(torch.func.jacrev(lambda w: k(xs, ys, w))(w), n * torch.eye(3))
+        wr = w.clone().requires_grad_()
+        k(xs, ys, wr).sum().backward()
+        torch.testing.assert_close(wr.grad, torch.full((3,), float(n)))
