@@ -109,6 +109,7 @@ import importlib.util
 import inspect
 import math
 import numbers
+import operator
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -705,7 +706,30 @@ class Kernel:
             raise ValueError(
                 f"{self.__name__}: result_rule gave {len(made)} results, the kernel declares {len(self._results)}"
             )
-        return [(tuple(shape), str(dtype)) for shape, dtype in made]
+        return [(self._checked_extents(r, shape), str(dtype)) for r, (shape, dtype) in zip(self._results, made)]
+
+    def _checked_extents(self, result: str, shape: Any) -> tuple[int, ...]:
+        """A result's shape as the rule gave it, each extent an integer of at least 0 and their
+        product within int64, else an error naming the kernel and the result (as the Rust rules'
+        are checked): XLA aborts the process on an element count past int64, and torch and jax
+        refuse a negative extent naming neither."""
+        try:
+            if isinstance(shape, (str, bytes)) or any(isinstance(d, bool) for d in shape):
+                raise TypeError
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise ValueError(
+                f"{self.__name__}: result {result}: result_rule gave the shape {shape!r}: a shape is a "
+                "sequence of integers"
+            ) from None
+        if any(d < 0 for d in dims):
+            raise ValueError(f"{self.__name__}: result {result}: result_rule gave the shape {dims}, a negative extent")
+        if math.prod(dims) >= 2**63:
+            raise ValueError(
+                f"{self.__name__}: result {result}: result_rule gave the shape {dims}, whose element count "
+                "overflows a 64-bit integer"
+            )
+        return dims
 
     def _all_results(self, outs: Any) -> tuple[Any, ...]:
         """``outs``, what the function returned, if it is a tuple of every declared result (else a

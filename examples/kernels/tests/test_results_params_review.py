@@ -130,3 +130,63 @@ def test_torch_func_grad_after_two_empty_lists_is_right(torch):
         wr = w.clone().requires_grad_()
         k(xs, ys, wr).sum().backward()
         torch.testing.assert_close(wr.grad, torch.full((3,), float(n)))
+
+
+BAD_RULES = {
+    "negative": (lambda s, d, a: [((-1, 5), "float32"), ((2,), "float32")], r"\(-1, 5\), a negative extent"),
+    "overflow": (
+        lambda s, d, a: [((2**40, 2**40), "float32"), ((2,), "float32")],
+        r"\(1099511627776, 1099511627776\), whose element count overflows a 64-bit integer",
+    ),
+    "fraction": (lambda s, d, a: [((2.5, 5), "float32"), ((2,), "float32")], r"\(2.5, 5\): a shape is a sequence of integers"),
+}
+
+
+def stack_sums_with_rule(name):
+    rule = BAD_RULES[name][0]
+    return dlbridge.kernels.kernel(
+        K.stack_sums.__wrapped__,
+        name=f"stack_sums_{name}",
+        namespace="dlbridge_review_test",
+        lists=["xs"],
+        ffi=K.stack_sums._ffi,
+        results=("stacked", "sums"),
+        result_rule=rule,
+    )
+
+
+@pytest.mark.parametrize("name", ["negative", "fraction"])
+def test_a_python_rule_giving_a_bad_shape_is_refused_naming_the_kernel_and_the_result(torch, jax, name):
+    """A Python result_rule's shape is checked as a Rust rule's is: jax.jit said "MLIRError:
+    invalid tensor dimension size" (a negative extent), naming neither the kernel nor the result."""
+    k = stack_sums_with_rule(name)
+    match = rf"stack_sums_{name}: result stacked: result_rule gave the shape {BAD_RULES[name][1]}"
+    xs = [np.ones(5, np.float32)] * 2
+    with pytest.raises(ValueError, match=match):
+        jax.jit(k)([jax.numpy.asarray(a) for a in xs])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=match):
+        torch.compile(k, fullgraph=True)([torch.from_numpy(a) for a in xs])
+
+
+def test_a_python_rule_whose_element_count_overflows_is_refused_not_an_abort():
+    """Under jax.jit, XLA aborted the whole process ("terminate called after throwing an instance
+    of 'absl::BadStatusOrAccess' ... overflow in static extent product"): run in a child."""
+    pytest.importorskip("jax")
+    code = f"""
+import numpy as np, jax
+import sys; sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+from test_results_params_review import stack_sums_with_rule
+k = stack_sums_with_rule("overflow")
+try:
+    jax.jit(k)([jax.numpy.ones(5, jax.numpy.float32)] * 2)
+except ValueError as e:
+    print("refused:", e)
+"""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    expect = "refused: stack_sums_overflow: result stacked: result_rule gave the shape (1099511627776, 1099511627776)"
+    assert expect in p.stdout, p.stdout + p.stderr[-2000:]
