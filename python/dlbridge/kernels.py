@@ -999,7 +999,7 @@ class Kernel:
 
     def _refuse_nones_in(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """``_refuse_nones`` over a call's arguments, if one is None."""
-        if any(a is None or (isinstance(a, (list, tuple)) and any(e is None for e in a)) for a in [*args, *kwargs.values()]):
+        if any(a is None or (isinstance(a, (list, tuple)) and any(_no_item(e) for e in a)) for a in [*args, *kwargs.values()]):
             try:
                 vals = self._bind(tuple(args), dict(kwargs))
             except TypeError:
@@ -1016,13 +1016,18 @@ class Kernel:
                 self._refuse_none_items(self._params[i], vals[i])
 
     def _refuse_none_items(self, n: str, items: Sequence[Any]) -> None:
-        """A None among the items of list parameter ``n``: refused naming the item (torch's schema
-        and jax's conversion would name neither the kernel nor the argument)."""
+        """A None (or a Python number) among the items of list parameter ``n``: refused naming the
+        item (torch's schema and jax's conversion would name neither the kernel nor the argument)."""
         for j, e in enumerate(items):
             if e is None:
                 raise TypeError(
                     f"{self.__name__}: argument {n!r}[{j}] is None, but {n!r} is a list of tensors "
                     f"(lists={list(self._lists)}): every item is a tensor; leave the item out of the list"
+                )
+            if isinstance(e, (bool, int, float, complex)):
+                raise TypeError(
+                    f"{self.__name__}: argument {n!r}[{j}] is a Python {type(e).__name__} ({e!r}), but {n!r} "
+                    f"is a list of tensors (lists={list(self._lists)}): every item is a tensor"
                 )
 
     def _attr_dict(self, inputs: Sequence[Any]) -> dict[str, Any]:
@@ -2094,6 +2099,12 @@ def _full_inputs(kernel: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     arguments (``Tensor? bias=None``) has fewer (see ``_fit_inputs``); theirs are the defaults."""
     n = len(inputs)
     return inputs if n >= len(kernel._params) else (*inputs, *kernel._defaults[n:])
+
+
+def _no_item(e: Any) -> bool:
+    """Whether ``e``, an item of a list argument, is no tensor a kernel could take: None or a
+    Python number (asked once a call failed)."""
+    return e is None or isinstance(e, (bool, int, float, complex))
 
 
 def _fit_inputs(ctx: Any, result: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -190,3 +190,17 @@ except ValueError as e:
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
     expect = "refused: stack_sums_overflow: result stacked: result_rule gave the shape (1099511627776, 1099511627776)"
     assert expect in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def test_a_python_number_in_a_list_is_refused_naming_the_item(torch):
+    """A Python number among a list's items: torch eagerly said "item 0: expected an array", and
+    with a tensor that requires grad torch's schema error; each now names the kernel and the item.
+    (Under jax a number is a 0-d array, which the rule refuses in its own terms.)"""
+    match = r"stack_sums: argument 'xs'\[0\] is a Python float \(1.0\), but 'xs' is a list of tensors"
+    for call in (
+        lambda: K.stack_sums([1.0, np.ones(5, np.float32)]),
+        lambda: K.stack_sums([1.0, torch.ones(5)]),
+        lambda: K.stack_sums([1.0, torch.ones(5, requires_grad=True)]),
+    ):
+        with pytest.raises(TypeError, match=match):
+            call()
