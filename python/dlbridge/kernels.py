@@ -109,6 +109,7 @@ import importlib.util
 import inspect
 import math
 import numbers
+import operator
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -588,6 +589,9 @@ class Kernel:
                         f"{self.__name__}: argument {n!r} is a list of tensors (lists={list(self._lists)}): "
                         f"pass a list or tuple of tensors, not {type(v).__name__}"
                     )
+                for e in v:
+                    if e is None:
+                        self._refuse_none_items(n, v)
                 flat.extend(v)
                 counts.append((f"{n}.count", len(v)))
         return flat, tuple(counts)
@@ -728,7 +732,30 @@ class Kernel:
             raise ValueError(
                 f"{self.__name__}: result_rule gave {len(made)} results, the kernel declares {len(self._results)}"
             )
-        return [(tuple(shape), str(dtype)) for shape, dtype in made]
+        return [(self._checked_extents(r, shape), str(dtype)) for r, (shape, dtype) in zip(self._results, made)]
+
+    def _checked_extents(self, result: str, shape: Any) -> tuple[int, ...]:
+        """A result's shape as the rule gave it, each extent an integer of at least 0 and their
+        product within int64, else an error naming the kernel and the result (as the Rust rules'
+        are checked): XLA aborts the process on an element count past int64, and torch and jax
+        refuse a negative extent naming neither."""
+        try:
+            if isinstance(shape, (str, bytes)) or any(isinstance(d, bool) for d in shape):
+                raise TypeError
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise ValueError(
+                f"{self.__name__}: result {result}: result_rule gave the shape {shape!r}: a shape is a "
+                "sequence of integers"
+            ) from None
+        if any(d < 0 for d in dims):
+            raise ValueError(f"{self.__name__}: result {result}: result_rule gave the shape {dims}, a negative extent")
+        if math.prod(dims) >= 2**63:
+            raise ValueError(
+                f"{self.__name__}: result {result}: result_rule gave the shape {dims}, whose element count "
+                "overflows a 64-bit integer"
+            )
+        return dims
 
     def _all_results(self, outs: Any) -> tuple[Any, ...]:
         """``outs``, what the function returned, if it is a tuple of every declared result (else a
@@ -909,7 +936,11 @@ class Kernel:
         if route & 16:
             route = self._route_with_items(args, kwargs)
             if route == 0:
-                return self._fn(*args, **kwargs)
+                try:
+                    return self._fn(*args, **kwargs)
+                except TypeError:
+                    self._refuse_nones_in(args, kwargs)  # a None item of a list, named
+                    raise
         if route & 1:
             return self._jax_call(self._bind(args, kwargs))
         if route & 4:
@@ -976,7 +1007,7 @@ class Kernel:
 
     def _refuse_nones_in(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """``_refuse_nones`` over a call's arguments, if one is None."""
-        if any(a is None for a in args) or any(a is None for a in kwargs.values()):
+        if any(a is None or (isinstance(a, (list, tuple)) and any(_no_item(e) for e in a)) for a in [*args, *kwargs.values()]):
             try:
                 vals = self._bind(tuple(args), dict(kwargs))
             except TypeError:
@@ -984,10 +1015,28 @@ class Kernel:
             self._refuse_nones(vals)
 
     def _refuse_nones(self, vals: Sequence[Any]) -> None:
-        """None for a tensor parameter that is not optional: said in the author's terms."""
+        """None for a tensor parameter that is not optional, or for an item of a list: said in
+        the author's terms."""
         for i, k in zip(self._tensor_idx, self._kinds, strict=True):
             if k == 0 and i < len(vals) and vals[i] is None:
                 self._refuse_none(self._params[i])
+            if k == 2 and i < len(vals) and isinstance(vals[i], (list, tuple)):
+                self._refuse_none_items(self._params[i], vals[i])
+
+    def _refuse_none_items(self, n: str, items: Sequence[Any]) -> None:
+        """A None (or a Python number) among the items of list parameter ``n``: refused naming the
+        item (torch's schema and jax's conversion would name neither the kernel nor the argument)."""
+        for j, e in enumerate(items):
+            if e is None:
+                raise TypeError(
+                    f"{self.__name__}: argument {n!r}[{j}] is None, but {n!r} is a list of tensors "
+                    f"(lists={list(self._lists)}): every item is a tensor; leave the item out of the list"
+                )
+            if isinstance(e, (bool, int, float, complex)):
+                raise TypeError(
+                    f"{self.__name__}: argument {n!r}[{j}] is a Python {type(e).__name__} ({e!r}), but {n!r} "
+                    f"is a list of tensors (lists={list(self._lists)}): every item is a tensor"
+                )
 
     def _attr_dict(self, inputs: Sequence[Any]) -> dict[str, Any]:
         """The attributes among the op's ``inputs`` by name, each array a tuple (torch's op passes
@@ -2060,12 +2109,23 @@ def _full_inputs(kernel: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     return inputs if n >= len(kernel._params) else (*inputs, *kernel._defaults[n:])
 
 
+def _no_item(e: Any) -> bool:
+    """Whether ``e``, an item of a list argument, is no tensor a kernel could take: None or a
+    Python number (asked once a call failed)."""
+    return e is None or isinstance(e, (bool, int, float, complex))
+
+
 def _fit_inputs(ctx: Any, result: tuple[Any, ...]) -> tuple[Any, ...]:
     """A torch backward's gradients, one per input the op was called with: before torch 2.12 or
     so, a call that leaves out trailing defaulted arguments (``Tensor? bias=None``) has fewer
     inputs than parameters (``ctx.needs_input_grad`` says how many), and torch.library refuses
     a gradient for each parameter ("Expected the return from backward to be of the same
-    structure as the inputs"). What is cut is a left-out argument's: None."""
+    structure as the inputs"). What is cut is a left-out argument's: None. Not for
+    ``_flat_func``'s ``autograd.Function`` (``ctx.dlbridge_spec``): its inputs are the lists' items,
+    flat, which may be fewer than the parameters (two empty lists), and its backward maps the
+    gradients, one per parameter, onto them itself."""
+    if hasattr(ctx, "dlbridge_spec"):
+        return result
     n = len(ctx.needs_input_grad)
     return result[:n] if n < len(result) else result
 

@@ -81,6 +81,8 @@ mod scratch;
 mod state;
 
 use api::Api;
+#[cfg(feature = "python")]
+pub(crate) use api::drop_payload;
 pub(crate) use api::panic_message;
 pub use api::{FfiError, Result};
 pub use pool::ThreadPool;

@@ -266,8 +266,13 @@ pub(crate) fn add_kernels(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// `y = x * weight (+ bias)` and `total[i] = sum_j y[i, j]`, row by row.
 fn affine_rowsum_body(x: &[f32], w: &[f32], b: Option<&[f32]>, y: &mut [f32], total: &mut [f32]) {
-    let cols = w.len().max(1);
+    let cols = w.len();
     scale_shift_body(x, w, b, y, cols);
+    if cols == 0 {
+        // Rows of no columns: y is empty, each row's sum 0 (the buffer is not zeroed for us).
+        total.fill(0.0);
+        return;
+    }
     for (t, row) in total.iter_mut().zip(y.chunks(cols)) {
         *t = row.iter().sum();
     }
@@ -293,8 +298,11 @@ fn affine_rowsum_backward_body(
 /// `stacked[i] = xs[i]` and `sums[i] = sum_j xs[i][j]`.
 fn stack_sums_body(xs: &[&[f32]], stacked: &mut [f32], sums: &mut [f32]) {
     let cols = xs.first().map_or(1, |x| x.len().max(1));
-    for ((row, s), x) in stacked.chunks_mut(cols).zip(sums.iter_mut()).zip(xs) {
+    for (row, x) in stacked.chunks_mut(cols).zip(xs) {
         row.copy_from_slice(x);
+    }
+    // Each sum from its item, not from a row: items of length 0 have no rows to drive the loop.
+    for (s, x) in sums.iter_mut().zip(xs) {
         *s = x.iter().sum();
     }
 }

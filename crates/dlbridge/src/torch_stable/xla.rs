@@ -516,8 +516,9 @@ pub unsafe fn run_xla(op: &XlaOp, stack: *mut StableIValue, num_args: u64, num_o
 }
 
 #[cold]
-fn too_many(op: &XlaOp, what: &str, n: usize) -> KernelError {
-    KernelError(format!("{}: {n} {what} (at most {MAX_FRAME_ITEMS})", op.signature.name()))
+fn too_many(what: &str, n: usize) -> KernelError {
+    // (run_boxed's error names the op: this one names what overflowed.)
+    KernelError(format!("{n} {what} (at most {MAX_FRAME_ITEMS})"))
 }
 
 /// The XLA buffer over `data`: `dims` extents of `dtype`, C-contiguous host memory.
@@ -558,6 +559,20 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
             ArgKind::TensorList => (operands, scalars) = (operands + args.tensor_list(i)?.len(), scalars + 1),
             _ => scalars += 1,
         }
+    }
+    if operands > MAX_FRAME_ITEMS {
+        // Only lists make more operands than the signature's tensors (validate()): name them.
+        let mut lists = Vec::new();
+        for (i, &(name, kind)) in sig.args().iter().enumerate() {
+            if matches!(kind, ArgKind::TensorList) {
+                lists.push(format!("{name}: a list of {} tensors", args.tensor_list(i)?.len()));
+            }
+        }
+        return Err(KernelError(format!(
+            "{operands} tensor operands ({}), but the native op's frame holds at most {MAX_FRAME_ITEMS}: \
+             pass fewer items",
+            lists.join(", ")
+        )));
     }
     // One body, two capacities (validate() bounds the signature's counts by MAX_FRAME_ITEMS, and
     // the body refuses a list past it; the fresh results are at most the signature's results).
@@ -613,7 +628,7 @@ fn call_handler_in<const N: usize, const A: usize>(
         };
         for t in tensors {
             if n_ops == N {
-                return Err(too_many(op, "tensor operands", n_ops + 1));
+                return Err(too_many("tensor operands", n_ops + 1));
             }
             let device = t.device_kind()?;
             if device != super::DeviceKind::Cpu {
@@ -706,7 +721,7 @@ fn call_handler_in<const N: usize, const A: usize>(
             made = output_infos(op, &infos, args)?;
             for o in &made {
                 if n_fresh == N {
-                    return Err(too_many(op, "results", n_fresh + 1));
+                    return Err(too_many("results", n_fresh + 1));
                 }
                 let t = torch.empty(&o.shape, o.dtype, TorchDevice::CPU)?;
                 ret_bufs[n_fresh] = buffer(t.data_ptr()?, o.dtype, &o.shape, "result")?;
@@ -716,7 +731,7 @@ fn call_handler_in<const N: usize, const A: usize>(
         }
     }
     if n_fresh + n_aliased > N {
-        return Err(too_many(op, "results", n_fresh + n_aliased));
+        return Err(too_many("results", n_fresh + n_aliased));
     }
     // Then the aliased operands again.
     for (j, &k) in aliased[..n_aliased].iter().enumerate() {
@@ -742,7 +757,7 @@ fn call_handler_in<const N: usize, const A: usize>(
             continue;
         }
         if n_attrs == A {
-            return Err(too_many(op, "scalar arguments", n_attrs + 1));
+            return Err(too_many("scalar arguments", n_attrs + 1));
         }
         let ty = op.attrs.iter().find(|(n, _)| *n == name).map(|&(_, t)| t);
         let ty = ty.ok_or_else(|| KernelError(format!("argument {name} has no attribute type")))?;
@@ -825,7 +840,7 @@ fn call_handler_in<const N: usize, const A: usize>(
     // dlbridge.kernels passes it under jax.jit (the handler declares it: xla::Operand).
     for (name, n) in &counts {
         if n_attrs == A {
-            return Err(too_many(op, "scalar arguments", n_attrs + 1));
+            return Err(too_many("scalar arguments", n_attrs + 1));
         }
         attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
         bytemuck_u64(&mut words[n_attrs]).copy_from_slice(&n.to_ne_bytes());

@@ -413,6 +413,21 @@ pub(super) fn result_shapes(
     results.iter().map(|r| result_shape(r, shapes, attrs).map_err(|e| format!("{kernel}: {e}"))).collect()
 }
 
+/// An author's shape rule for result `name`, run: its error, or its panic (an index past the
+/// shapes it was given, an `unwrap`), as an error naming the result. Every mode calls the rules
+/// through here (the native op's kernels, and the Python face jax and torch's fake kernels call,
+/// where a panic would otherwise leave as a `PanicException`, which is no `Exception`).
+fn run_rule(name: &str, rule: impl FnOnce() -> Result<Vec<i64>, String>) -> Result<Vec<i64>, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(rule)) {
+        Ok(made) => made.map_err(|e| format!("result {name}: {e}")),
+        Err(panic) => {
+            let e = format!("result {name}: the shape rule panicked: {}", crate::xla::panic_message(&*panic));
+            crate::xla::drop_payload(panic);
+            Err(e)
+        }
+    }
+}
+
 /// One result's shape by its rule (see [`result_shapes`]); an error names the result (the caller
 /// names the kernel: the native op's errors carry its name already).
 pub(super) fn result_shape(
@@ -426,17 +441,15 @@ pub(super) fn result_shape(
         (Shape::Like(k), Shapes::Params(s)) => {
             s.get(k).and_then(ParamShape::tensor).ok_or_else(|| no_tensor(k))?.to_vec()
         }
-        (Shape::Rule(f), Shapes::Plain(s)) => f(s, attrs).map_err(|e| format!("result {}: {e}", r.name))?,
+        (Shape::Rule(f), Shapes::Plain(s)) => run_rule(&r.name, || f(s, attrs))?,
         (Shape::Rule(_), Shapes::Params(_)) => {
             // (resolve refuses a ShapeFn for a kernel with optional or list parameters.)
             return Err(format!("result {}: a ShapeFn rule cannot read optional or list parameters", r.name));
         }
-        (Shape::Params(f), Shapes::Params(s)) => {
-            f(s, attrs).map_err(|e| format!("result {}: {e}", r.name))?
-        }
+        (Shape::Params(f), Shapes::Params(s)) => run_rule(&r.name, || f(s, attrs))?,
         (Shape::Params(f), Shapes::Plain(s)) => {
             let view: Vec<ParamShape<'_>> = s.iter().map(|&t| ParamShape::Tensor(t)).collect();
-            f(&view, attrs).map_err(|e| format!("result {}: {e}", r.name))?
+            run_rule(&r.name, || f(&view, attrs))?
         }
     };
     if let Some(d) = shape.iter().find(|&&d| d < 0) {
@@ -591,6 +604,38 @@ mod tests {
             result_shapes("k", &r, Shapes::Plain(&[&[4, 2]]), &Attrs::new()).unwrap(),
             vec![vec![4, 2]]
         );
+    }
+
+    #[test]
+    fn a_rule_that_panics_is_an_error_naming_the_result() {
+        // A rule reading past the shapes it was given (a safe index: it panics).
+        fn past(p: &[ParamShape<'_>], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+            Ok(p[7].tensor().unwrap_or_default().to_vec())
+        }
+        fn past_plain(s: &[&[i64]], _: &Attrs<'_>) -> Result<Vec<i64>, String> {
+            Ok(s[3].to_vec())
+        }
+        let r = resolve(
+            "k",
+            &params(&["x", "xs"]),
+            &[],
+            (&[], &["xs"]),
+            &[ResultDef::param_rule("y", past, ResultDType::Is(DataType::FLOAT32))],
+        )
+        .unwrap();
+        let args = [ParamShape::Tensor(&[2]), ParamShape::List(&[])];
+        let e = result_shapes("k", &r, Shapes::Params(&args), &Attrs::new()).unwrap_err();
+        assert!(e.starts_with("k: result y: the shape rule panicked: index out of bounds"), "{e}");
+        let r = resolve(
+            "k",
+            &params(&["x"]),
+            &[],
+            (&[], &[]),
+            &[ResultDef::rule("z", past_plain, ResultDType::Like("x"))],
+        )
+        .unwrap();
+        let e = result_shapes("k", &r, Shapes::Plain(&[&[2]]), &Attrs::new()).unwrap_err();
+        assert!(e.starts_with("k: result z: the shape rule panicked: index out of bounds"), "{e}");
     }
 
     #[test]
