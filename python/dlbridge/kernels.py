@@ -951,10 +951,12 @@ class Kernel:
         # cut off from autograd, a gradient silently wrong.
         if route & 8 and _grad_enabled():
             return self._torch_call(self._bind(args, kwargs))
-        if _forward_ad._current_level >= 0 and (_functorch_level() is not None or self._has_tangent(args, kwargs)):
-            # A dual tensor (forward-mode AD; torch.func.jvp, jacfwd): the kernel's jvp, through
-            # its autograd.Function, or the refusal of a kernel without one (the eager function
-            # would drop the tangent).
+        if _forward_ad._current_level >= 0:
+            # Inside a forward-AD dual level (torch.func.jvp, jacfwd, dual tensors): the kernel's
+            # jvp, through its autograd.Function, or the refusal of a kernel without one (the eager
+            # function would drop the tangent). Not decided by looking for a tangent here: called
+            # from a torch.compile'd function, that look can run as a frame dynamo compiles with
+            # the tensors faked, where no tangent shows (torch 2.11: the tangent was dropped).
             return self._torch_call(self._bind(args, kwargs))
         try:
             return self._fn(*args, **kwargs)
@@ -1057,14 +1059,6 @@ class Kernel:
                     f"declare it a scalar attribute, attrs {{{n!r}: {t!r}}} (Rust: KernelDef {{ attrs: "
                     f'&[("{n}", "{t}")], .. }}), or pass a tensor'
                 )
-
-    def _has_tangent(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-        """Inside a forward-AD dual level: whether a tensor argument carries a tangent."""
-        return any(
-            self._tangent_of(e)
-            for a in [*args, *kwargs.values()]
-            for e in (a if isinstance(a, (list, tuple)) else (a,))
-        )
 
     @staticmethod
     def _tangent_of(a: Any) -> bool:
