@@ -705,14 +705,39 @@ pub unsafe fn needs_instantiate(handler: XLA_FFI_Handler) -> bool {
     err.is_null() && stages.instantiate == 1
 }
 
-/// One checked list of the frame (operands or results): its entries and their kinds.
+/// One checked list of the frame (operands, results or attributes): its entries and their kinds,
+/// `len` each. Two pointers and one length rather than two slices: a smaller [`Call`] is moved
+/// without a `memcpy` call.
 #[derive(Clone, Copy)]
 struct List<'a> {
-    kinds: &'a [i32],
-    items: &'a [*mut c_void],
+    kinds: std::ptr::NonNull<i32>,
+    items: std::ptr::NonNull<*mut c_void>,
+    len: usize,
+    _frame: std::marker::PhantomData<&'a ()>,
 }
 
 impl<'a> List<'a> {
+    const EMPTY: Self = Self {
+        kinds: std::ptr::NonNull::dangling(),
+        items: std::ptr::NonNull::dangling(),
+        len: 0,
+        _frame: std::marker::PhantomData,
+    };
+
+    /// The kinds, `len` of them.
+    #[inline(always)]
+    fn kinds(&self) -> &'a [i32] {
+        // SAFETY: `len` aligned entries alive for 'a (checked in `new`), or dangling and empty.
+        unsafe { std::slice::from_raw_parts(self.kinds.as_ptr(), self.len) }
+    }
+
+    /// The entries, `len` of them.
+    #[inline(always)]
+    fn items(&self) -> &'a [*mut c_void] {
+        // SAFETY: as in `kinds`.
+        unsafe { std::slice::from_raw_parts(self.items.as_ptr(), self.len) }
+    }
+
     /// # Safety
     ///
     /// `types` and `items` point to `size` entries each when `size > 0` (checked for NULL here).
@@ -730,14 +755,19 @@ impl<'a> List<'a> {
         }
         let Ok(n) = usize::try_from(size) else { return Err(list_error(what, ListFault::Count(size))) };
         if n == 0 {
-            return Ok(Self { kinds: &[], items: &[] });
+            return Ok(Self::EMPTY);
         }
         if types.is_null() || items.is_null() || !types.is_aligned() || !items.is_aligned() {
             return Err(list_error(what, ListFault::Arrays(n)));
         }
-        // SAFETY: non-NULL, aligned, `n` entries (the caller's contract).
+        // SAFETY: non-NULL (checked), aligned, `n` entries alive for 'a (the caller's contract).
         Ok(unsafe {
-            Self { kinds: std::slice::from_raw_parts(types, n), items: std::slice::from_raw_parts(items, n) }
+            Self {
+                kinds: std::ptr::NonNull::new_unchecked(types.cast_mut()),
+                items: std::ptr::NonNull::new_unchecked(items.cast_mut()),
+                len: n,
+                _frame: std::marker::PhantomData,
+            }
         })
     }
 }
@@ -764,14 +794,16 @@ fn list_error(what: &str, fault: ListFault) -> FfiError {
 pub struct Call<'a> {
     api: Api<'a>,
     ctx: *mut XLA_FFI_ExecutionContext,
-    state: Option<StateDecl>,
-    scratch: scratch::Arena,
-    device_scratch: scratch::DeviceArena<'a>,
+    /// The handler's state declaration, in the signature `handle` was given (borrowed for the
+    /// whole call, which this `Call` does not outlive: a body only ever gets `&mut Call`). A
+    /// pointer, not a copy: a smaller `Call` is moved without a `memcpy` call.
+    state: Option<std::ptr::NonNull<StateDecl>>,
+    scratch: scratch::Scratch<'a>,
     args: List<'a>,
     rets: List<'a>,
-    attr_kinds: &'a [i32],
-    attr_names: &'a [*mut XLA_FFI_ByteSpan],
-    attr_values: &'a [*mut c_void],
+    /// The attributes' kinds and values (`attrs.len` each) and their names, as many.
+    attrs: List<'a>,
+    attr_names: std::ptr::NonNull<*mut XLA_FFI_ByteSpan>,
     device: Device,
     /// The declared tensor parameters (empty: operand `i` is parameter `i`), once the counts
     /// were checked against the operands.
@@ -781,9 +813,9 @@ pub struct Call<'a> {
 impl fmt::Debug for Call<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Call")
-            .field("args", &self.args.items.len())
-            .field("rets", &self.rets.items.len())
-            .field("attrs", &self.attr_values.len())
+            .field("args", &self.args.len)
+            .field("rets", &self.rets.len)
+            .field("attrs", &self.attrs.len)
             .field("device", &self.device)
             .finish()
     }
@@ -818,27 +850,24 @@ impl<'a> Call<'a> {
         let attrs = unsafe {
             List::new("attrs", t.struct_size, XLA_FFI_Attrs_STRUCT_SIZE, t.size, t.types.cast(), t.attrs)
         }?;
-        let attr_names: &[*mut XLA_FFI_ByteSpan] = if attrs.items.is_empty() {
-            &[]
+        let attr_names = if attrs.len == 0 {
+            std::ptr::NonNull::dangling()
         } else if t.names.is_null() || !t.names.is_aligned() {
             return Err(FfiError::invalid_argument("attrs: no names"));
         } else {
-            // SAFETY: non-NULL, aligned, one name per attribute (the C contract).
-            unsafe { std::slice::from_raw_parts(t.names, attrs.items.len()) }
+            // SAFETY: non-NULL (checked); aligned, one name per attribute (the C contract).
+            unsafe { std::ptr::NonNull::new_unchecked(t.names) }
         };
         let mut call = Self {
             api,
             // SAFETY: below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's contract).
             ctx: unsafe { (&raw const (*frame).ctx).read() },
-            state: signature.state,
-            scratch: scratch::Arena::default(),
-            // SAFETY: below XLA_FFI_CallFrame_STRUCT_SIZE (the caller's contract).
-            device_scratch: scratch::DeviceArena::new(api, unsafe { (&raw const (*frame).ctx).read() }),
+            state: signature.state.as_ref().map(std::ptr::NonNull::from),
+            scratch: scratch::Scratch::default(),
             args,
             rets,
-            attr_kinds: attrs.kinds,
+            attrs,
             attr_names,
-            attr_values: attrs.items,
             device: Device::CPU,
             params: &[],
         };
@@ -856,19 +885,19 @@ impl<'a> Call<'a> {
         if !s.params.is_empty() {
             return self.check_params(s);
         }
-        if self.args.items.len() != s.operands {
-            return Err(self.count_error("operands", s.operands, self.args.items.len()));
+        if self.args.len != s.operands {
+            return Err(self.count_error("operands", s.operands, self.args.len));
         }
-        if self.rets.items.len() != s.results {
-            return Err(self.count_error("results", s.results, self.rets.items.len()));
+        if self.rets.len != s.results {
+            return Err(self.count_error("results", s.results, self.rets.len));
         }
-        if self.attr_names.len() != s.attrs.len() {
+        if self.attrs.len != s.attrs.len() {
             return Err(self.attrs_error(s.attrs));
         }
         // As many as declared, and every declared name (distinct: Signature::new) among them: the
         // same set.
         'declared: for a in s.attrs {
-            for i in 0..self.attr_names.len() {
+            for i in 0..self.attrs.len {
                 if self.attr_name(i)? == a.as_bytes() {
                     continue 'declared;
                 }
@@ -885,14 +914,14 @@ impl<'a> Call<'a> {
     #[inline(never)]
     fn check_params(&mut self, s: &Signature) -> Result<()> {
         let counted = s.params.iter().filter(|p| p.is_counted()).count();
-        if self.rets.items.len() != s.results {
-            return Err(self.count_error("results", s.results, self.rets.items.len()));
+        if self.rets.len != s.results {
+            return Err(self.count_error("results", s.results, self.rets.len));
         }
-        if self.attr_names.len() != s.attrs.len() + counted {
+        if self.attrs.len != s.attrs.len() + counted {
             return Err(self.params_attrs_error(s));
         }
         'declared: for a in s.attrs {
-            for i in 0..self.attr_names.len() {
+            for i in 0..self.attrs.len {
                 if self.attr_name(i)? == a.as_bytes() {
                     continue 'declared;
                 }
@@ -907,8 +936,7 @@ impl<'a> Call<'a> {
                     let Some(n) = self.count_of(name)? else {
                         return Err(self.params_attrs_error(s));
                     };
-                    let most =
-                        if matches!(p, Operand::Optional(_)) { 1 } else { self.args.items.len() as i64 };
+                    let most = if matches!(p, Operand::Optional(_)) { 1 } else { self.args.len as i64 };
                     if !(0..=most).contains(&n) {
                         return Err(FfiError::invalid_argument(format!(
                             "attribute {name}{COUNT_SUFFIX}: {n} operands (0..={most} allowed)"
@@ -919,10 +947,10 @@ impl<'a> Call<'a> {
             };
             next += n;
         }
-        if next != self.args.items.len() {
+        if next != self.args.len {
             return Err(FfiError::invalid_argument(format!(
                 "wrong number of operands: the counts say {next}, the call has {} (the handler reads {})",
-                self.args.items.len(),
+                self.args.len,
                 s.params.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
             )));
         }
@@ -933,14 +961,13 @@ impl<'a> Call<'a> {
     /// The value of parameter `name`'s count attribute (`None`: the call has none), read as an
     /// int64 scalar.
     fn count_of(&self, name: &str) -> Result<Option<i64>> {
-        let Some(i) =
-            (0..self.attr_names.len()).find(|&i| self.attr_name(i).is_ok_and(|a| is_count_of(a, name)))
+        let Some(i) = (0..self.attrs.len).find(|&i| self.attr_name(i).is_ok_and(|a| is_count_of(a, name)))
         else {
             return Ok(None);
         };
         let attr = RawAttr {
-            kind: XLA_FFI_AttrType(self.attr_kinds[i]),
-            value: self.attr_values[i],
+            kind: XLA_FFI_AttrType(self.attrs.kinds()[i]),
+            value: self.attrs.items()[i],
             _frame: PhantomData,
         };
         i64::from_attr(attr).map(Some).map_err(|e| e.about(&format!("attribute {name}{COUNT_SUFFIX}")))
@@ -988,7 +1015,7 @@ impl<'a> Call<'a> {
     #[cold]
     #[inline(never)]
     fn attrs_error(&self, declared: &[&str]) -> FfiError {
-        let got: Vec<String> = (0..self.attr_names.len())
+        let got: Vec<String> = (0..self.attrs.len)
             .map(|i| {
                 self.attr_name(i)
                     .map_or_else(|e| e.message().to_owned(), |b| String::from_utf8_lossy(b).into_owned())
@@ -1014,12 +1041,12 @@ impl<'a> Call<'a> {
 
     /// The number of operands.
     pub fn num_inputs(&self) -> usize {
-        self.args.items.len()
+        self.args.len
     }
 
     /// The number of results.
     pub fn num_outputs(&self) -> usize {
-        self.rets.items.len()
+        self.rets.len
     }
 
     /// The device the buffers are on (the platform the handler was registered for).
@@ -1029,11 +1056,17 @@ impl<'a> Call<'a> {
 
     /// Operand `index` (named `name` in errors), of any type: dispatch on [`AnyBuffer::dtype`],
     /// then [`AnyBuffer::typed`].
-    #[inline]
+    #[inline(always)]
     pub fn input_any(&self, index: usize, name: &'static str) -> Result<AnyBuffer<'a>> {
-        let flat =
-            if self.params.is_empty() { index } else { self.operands_of(index, name, Kind::Tensor)?.0 };
+        let flat = if self.params.is_empty() { index } else { self.declared_tensor(index, name)? };
         self.buffer(self.args, flat, name, false)
+    }
+
+    /// The operand of tensor parameter `index` of a handler that declares its parameters (out of
+    /// line: the usual handler, whose operand `i` is parameter `i`, keeps `input_any` small).
+    #[inline(never)]
+    fn declared_tensor(&self, index: usize, name: &'static str) -> Result<usize> {
+        Ok(self.operands_of(index, name, Kind::Tensor)?.0)
     }
 
     /// Where parameter `index`'s operands are (first, count), if it is declared of kind `want`
@@ -1042,7 +1075,7 @@ impl<'a> Call<'a> {
     #[inline]
     fn operands_of(&self, index: usize, name: &'static str, want: Kind) -> Result<(usize, usize)> {
         let declared = if self.params.is_empty() {
-            (index < self.args.items.len()).then_some((Operand::Tensor(name), (index, 1)))
+            (index < self.args.len).then_some((Operand::Tensor(name), (index, 1)))
         } else {
             match self.params.get(index) {
                 Some(&p) => Some((p, self.span_of(index)?)),
@@ -1060,7 +1093,7 @@ impl<'a> Call<'a> {
             ))),
             None => Err(FfiError::invalid_argument(format!(
                 "{name}: no parameter {index} (the handler declares {})",
-                if self.params.is_empty() { self.args.items.len() } else { self.params.len() }
+                if self.params.is_empty() { self.args.len } else { self.params.len() }
             ))),
         }
     }
@@ -1112,7 +1145,7 @@ impl<'a> Call<'a> {
     }
 
     /// Result `index` (named `name` in errors), of any type.
-    #[inline]
+    #[inline(always)]
     pub fn output_any(&self, index: usize, name: &'static str) -> Result<AnyBuffer<'a>> {
         self.buffer(self.rets, index, name, true)
     }
@@ -1139,8 +1172,8 @@ impl<'a> Call<'a> {
     fn buffer(&self, list: List<'a>, index: usize, name: &'static str, out: bool) -> Result<AnyBuffer<'a>> {
         // The checks, in order; each refusal is made by a cold function, so this path keeps no
         // message's arguments around.
-        let (Some(&kind), Some(&ptr)) = (list.kinds.get(index), list.items.get(index)) else {
-            return Err(BufferFault::Missing(list.items.len()).error(name, out, index));
+        let (Some(&kind), Some(&ptr)) = (list.kinds().get(index), list.items().get(index)) else {
+            return Err(BufferFault::Missing(list.len).error(name, out, index));
         };
         if kind != XLA_FFI_ArgType::BUFFER.0 {
             return Err(BufferFault::Kind(kind).error(name, out, index));
@@ -1206,11 +1239,11 @@ impl<'a> Call<'a> {
 
     /// Attribute `name` (a scalar, a string or an array), decoded as `T` ([`FromAttr`]).
     pub fn attr<T: FromAttr<'a>>(&self, name: &str) -> Result<T> {
-        for i in 0..self.attr_names.len() {
+        for i in 0..self.attrs.len {
             if self.attr_name(i)? == name.as_bytes() {
                 let attr = RawAttr {
-                    kind: XLA_FFI_AttrType(self.attr_kinds[i]),
-                    value: self.attr_values[i],
+                    kind: XLA_FFI_AttrType(self.attrs.kinds()[i]),
+                    value: self.attrs.items()[i],
                     _frame: PhantomData,
                 };
                 return T::from_attr(attr).map_err(|e| e.about(&format!("attribute {name}")));
@@ -1222,10 +1255,18 @@ impl<'a> Call<'a> {
         )))
     }
 
+    /// The attributes' names, one per attribute.
+    #[inline(always)]
+    fn attr_names(&self) -> &'a [*mut XLA_FFI_ByteSpan] {
+        // SAFETY: `attrs.len` aligned names alive for 'a (checked in `Call::new`), or dangling and
+        // empty.
+        unsafe { std::slice::from_raw_parts(self.attr_names.as_ptr(), self.attrs.len) }
+    }
+
     /// Attribute `i`'s name (`i` below the number of attributes).
     #[inline]
     fn attr_name(&self, i: usize) -> Result<&'a [u8]> {
-        let n = self.attr_names[i];
+        let n = self.attr_names()[i];
         if n.is_null() || !n.is_aligned() {
             return Err(FfiError::invalid_argument("attrs: a NULL name"));
         }
@@ -1242,7 +1283,7 @@ impl<'a> Call<'a> {
     }
 
     fn attr_names_list(&self) -> String {
-        let names: Vec<String> = (0..self.attr_names.len())
+        let names: Vec<String> = (0..self.attrs.len)
             .filter_map(|i| self.attr_name(i).ok())
             .map(|b| String::from_utf8_lossy(b).into_owned())
             .collect();
@@ -1294,7 +1335,10 @@ impl<'a> Call<'a> {
     /// [`add_kernel`](crate::python::add_kernel) does for a handler with a state). As a native
     /// torch op, the state is made at the op's first call and kept for the process.
     pub fn state<T: std::any::Any + Send + Sync>(&self) -> Result<&T> {
-        state::get::<T>(self.api, self.ctx, self.state)
+        // SAFETY: the signature's declaration, borrowed by `handle` for the whole call (see the
+        // field).
+        let decl = self.state.map(|p| unsafe { *p.as_ptr() });
+        state::get::<T>(self.api, self.ctx, decl)
     }
 
     /// `n` elements of `T`, each `T::default()`, to use during the call: freed when the call
@@ -1316,7 +1360,7 @@ impl<'a> Call<'a> {
     /// }
     /// ```
     pub fn scratch<T: Copy + Default>(&self, n: usize) -> Result<&mut [T]> {
-        self.scratch.alloc::<T>(n)
+        self.scratch.host::<T>(self.api, self.ctx, n)
     }
 
     /// `bytes` bytes of device memory aligned to `align` (a power of two, at most 16 for XLA),
@@ -1326,7 +1370,7 @@ impl<'a> Call<'a> {
     /// [`scratch`](Self::scratch)). The pointer is the handler's to pass to device code, never
     /// read here.
     pub fn device_scratch(&self, bytes: usize, align: usize) -> Result<*mut c_void> {
-        self.device_scratch.alloc(bytes, align)
+        self.scratch.device(self.api, self.ctx, bytes, align)
     }
 
     /// XLA's intra-op thread pool for a parallel loop ([`ThreadPool::parallel_for`],

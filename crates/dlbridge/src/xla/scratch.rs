@@ -15,6 +15,44 @@ use std::ffi::c_void;
 use super::api::{Api, FfiError, Result};
 use crate::xla_ffi::*;
 
+/// A call's scratch, host and device, made at its first request: a call that asks for none (the
+/// usual one) carries one empty pointer and has nothing to drop.
+#[derive(Default)]
+pub(super) struct Scratch<'a>(std::cell::OnceCell<Box<Arenas<'a>>>);
+
+struct Arenas<'a> {
+    host: Arena,
+    device: DeviceArena<'a>,
+}
+
+impl<'a> Scratch<'a> {
+    fn arenas(&self, api: Api<'a>, ctx: *mut XLA_FFI_ExecutionContext) -> &Arenas<'a> {
+        self.0.get_or_init(|| Box::new(Arenas { host: Arena::default(), device: DeviceArena::new(api, ctx) }))
+    }
+
+    /// [`Arena::alloc`] of the call's host arena (`api` and `ctx`: the call's).
+    #[allow(clippy::mut_from_ref)] // each call returns a fresh allocation: no two slices alias
+    pub(super) fn host<T: Copy + Default>(
+        &self,
+        api: Api<'a>,
+        ctx: *mut XLA_FFI_ExecutionContext,
+        n: usize,
+    ) -> Result<&mut [T]> {
+        self.arenas(api, ctx).host.alloc(n)
+    }
+
+    /// [`DeviceArena::alloc`] of the call's device arena (`api` and `ctx`: the call's).
+    pub(super) fn device(
+        &self,
+        api: Api<'a>,
+        ctx: *mut XLA_FFI_ExecutionContext,
+        bytes: usize,
+        align: usize,
+    ) -> Result<*mut c_void> {
+        self.arenas(api, ctx).device.alloc(bytes, align)
+    }
+}
+
 /// The call's scratch allocations, freed when the call ends (when the [`Call`](super::Call) is
 /// dropped, after the body returned).
 #[derive(Default)]
