@@ -829,3 +829,36 @@ fn a_panic_payload_whose_drop_panics_is_an_error_never_an_abort() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(status.success() && stdout.contains("CHILD OK"), "{status}\n{stdout}\n{stderr}");
 }
+
+dlbridge::xla_handler! {
+    /// Keeps its first host scratch slice across later host and device requests (the first
+    /// request makes the call's arenas), and looks for an operand and an attribute the call has
+    /// none of (empty lists).
+    fn scratch_kept_across_requests(call, operands: 0, results: 1) {
+        let first = call.scratch::<u64>(4)?;
+        first.fill(5);
+        let dev = call.device_scratch(32, 16)?;
+        let second = call.scratch::<u8>(3)?;
+        let empty = call.scratch::<u32>(0)?;
+        second.fill(1);
+        // SAFETY: 32 bytes the fake allocator lent for the call (host memory here).
+        unsafe { dev.cast::<u8>().write_bytes(3, 32) };
+        first[3] += u64::from(second[2]) + empty.len() as u64;
+        let missing = call.input_any(0, "x").is_err() && call.attr::<i64>("a").is_err();
+        call.output::<u64, Rank<1>>(0, "out")?.as_slice_mut()?[0] = first.iter().sum::<u64>() + u64::from(missing);
+        Ok(())
+    }
+}
+
+#[test]
+fn host_scratch_stays_valid_after_later_scratch_requests() {
+    let api = api();
+    let c = ctx(1, Pool::Threads);
+    let freed = FREED.load(Ordering::SeqCst);
+    let mut out = [0u64];
+    call(scratch_kept_across_requests, &api, &c, EXECUTE, &mut out).unwrap();
+    // 4 * 5 + 1 written through the first slice after the later requests, + 1: the empty
+    // operand and attribute lists refused the look-ups.
+    assert_eq!(out[0], 22);
+    assert!(FREED.load(Ordering::SeqCst) > freed);
+}
