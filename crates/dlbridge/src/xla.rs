@@ -798,7 +798,7 @@ pub struct Call<'a> {
     /// whole call, which this `Call` does not outlive: a body only ever gets `&mut Call`). A
     /// pointer, not a copy: a smaller `Call` is moved without a `memcpy` call.
     state: Option<std::ptr::NonNull<StateDecl>>,
-    scratch: scratch::Scratch<'a>,
+    scratch: scratch::Scratch,
     args: List<'a>,
     rets: List<'a>,
     /// The attributes' kinds and values (`attrs.len` each) and their names, as many.
@@ -808,6 +808,14 @@ pub struct Call<'a> {
     /// The declared tensor parameters (empty: operand `i` is parameter `i`), once the counts
     /// were checked against the operands.
     params: &'static [Operand],
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        // The device scratch goes back to XLA's allocator before the call returns to XLA (a body
+        // only ever gets `&mut Call`: the call drops inside `handle`).
+        self.scratch.release(self.api, self.ctx);
+    }
 }
 
 impl fmt::Debug for Call<'_> {
@@ -1360,7 +1368,7 @@ impl<'a> Call<'a> {
     /// }
     /// ```
     pub fn scratch<T: Copy + Default>(&self, n: usize) -> Result<&mut [T]> {
-        self.scratch.host::<T>(self.api, self.ctx, n)
+        self.scratch.host::<T>(n)
     }
 
     /// `bytes` bytes of device memory aligned to `align` (a power of two, at most 16 for XLA),

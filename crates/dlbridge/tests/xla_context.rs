@@ -862,3 +862,13 @@ fn host_scratch_stays_valid_after_later_scratch_requests() {
     assert_eq!(out[0], 22);
     assert!(FREED.load(Ordering::SeqCst) > freed);
 }
+
+/// `Call<'a>` is covariant in `'a` (a helper may take a call for a shorter lifetime): the call's
+/// scratch holds no lifetime of its own. This compiles only while that holds.
+#[test]
+fn a_call_may_be_lent_for_a_shorter_lifetime() {
+    fn shorten<'s, 'l: 's>(c: &'s dlbridge::xla::Call<'l>) -> &'s dlbridge::xla::Call<'s> {
+        c
+    }
+    let _ = shorten;
+}

@@ -16,40 +16,45 @@ use super::api::{Api, FfiError, Result};
 use crate::xla_ffi::*;
 
 /// A call's scratch, host and device, made at its first request: a call that asks for none (the
-/// usual one) carries one empty pointer and has nothing to drop.
+/// usual one) carries one empty pointer and has nothing to drop. It holds no lifetime (the
+/// device blocks are given back with the call's API table by [`Scratch::release`], which the
+/// `Call`'s drop runs), so `Call<'a>` stays covariant in `'a`.
 #[derive(Default)]
-pub(super) struct Scratch<'a>(std::cell::OnceCell<Box<Arenas<'a>>>);
+pub(super) struct Scratch(std::cell::OnceCell<Box<Arenas>>);
 
-struct Arenas<'a> {
+struct Arenas {
     host: Arena,
-    device: DeviceArena<'a>,
+    device: DeviceArena,
 }
 
-impl<'a> Scratch<'a> {
-    fn arenas(&self, api: Api<'a>, ctx: *mut XLA_FFI_ExecutionContext) -> &Arenas<'a> {
-        self.0.get_or_init(|| Box::new(Arenas { host: Arena::default(), device: DeviceArena::new(api, ctx) }))
+impl Scratch {
+    fn arenas(&self) -> &Arenas {
+        self.0.get_or_init(|| Box::new(Arenas { host: Arena::default(), device: DeviceArena::default() }))
     }
 
-    /// [`Arena::alloc`] of the call's host arena (`api` and `ctx`: the call's).
+    /// [`Arena::alloc`] of the call's host arena.
     #[allow(clippy::mut_from_ref)] // each call returns a fresh allocation: no two slices alias
-    pub(super) fn host<T: Copy + Default>(
-        &self,
-        api: Api<'a>,
-        ctx: *mut XLA_FFI_ExecutionContext,
-        n: usize,
-    ) -> Result<&mut [T]> {
-        self.arenas(api, ctx).host.alloc(n)
+    pub(super) fn host<T: Copy + Default>(&self, n: usize) -> Result<&mut [T]> {
+        self.arenas().host.alloc(n)
     }
 
     /// [`DeviceArena::alloc`] of the call's device arena (`api` and `ctx`: the call's).
     pub(super) fn device(
         &self,
-        api: Api<'a>,
+        api: Api<'_>,
         ctx: *mut XLA_FFI_ExecutionContext,
         bytes: usize,
         align: usize,
     ) -> Result<*mut c_void> {
-        self.arenas(api, ctx).device.alloc(bytes, align)
+        self.arenas().device.alloc(api, ctx, bytes, align)
+    }
+
+    /// Gives the device blocks back to XLA (`api` and `ctx`: the call's, the call not yet returned
+    /// to XLA); the host blocks are freed when the scratch drops.
+    pub(super) fn release(&mut self, api: Api<'_>, ctx: *mut XLA_FFI_ExecutionContext) {
+        if let Some(a) = self.0.get_mut() {
+            a.device.release(api, ctx);
+        }
     }
 }
 
@@ -109,29 +114,29 @@ fn too_big<T>(n: usize) -> FfiError {
 
 /// Device memory XLA's allocator lent the call (`XLA_FFI_DeviceMemory_Allocate`), given back
 /// (`XLA_FFI_DeviceMemory_Free`) when the call ends.
-pub(super) struct DeviceArena<'a> {
-    api: Api<'a>,
-    ctx: *mut XLA_FFI_ExecutionContext,
+#[derive(Default)]
+pub(super) struct DeviceArena {
     blocks: RefCell<Vec<(*mut c_void, usize)>>,
 }
 
-impl<'a> DeviceArena<'a> {
-    pub(super) fn new(api: Api<'a>, ctx: *mut XLA_FFI_ExecutionContext) -> Self {
-        Self { api, ctx, blocks: RefCell::new(Vec::new()) }
-    }
-
+impl DeviceArena {
     /// `bytes` bytes aligned to `align` (a power of two; XLA allows at most 16), from XLA's
-    /// allocator.
-    pub(super) fn alloc(&self, bytes: usize, align: usize) -> Result<*mut c_void> {
+    /// allocator (`api` and `ctx`: the call's).
+    pub(super) fn alloc(
+        &self,
+        api: Api<'_>,
+        ctx: *mut XLA_FFI_ExecutionContext,
+        bytes: usize,
+        align: usize,
+    ) -> Result<*mut c_void> {
         if !align.is_power_of_two() {
             return Err(FfiError::invalid_argument(format!(
                 "device scratch: alignment {align} is not a power of two"
             )));
         }
-        let (Some(allocate), Some(_)) = (
-            api_field!(self.api, XLA_FFI_DeviceMemory_Allocate),
-            api_field!(self.api, XLA_FFI_DeviceMemory_Free),
-        ) else {
+        let (Some(allocate), Some(_)) =
+            (api_field!(api, XLA_FFI_DeviceMemory_Allocate), api_field!(api, XLA_FFI_DeviceMemory_Free))
+        else {
             return Err(FfiError::new(
                 XLA_FFI_Error_Code::UNIMPLEMENTED,
                 "device scratch: the XLA FFI API table has no XLA_FFI_DeviceMemory_Allocate/Free",
@@ -140,14 +145,14 @@ impl<'a> DeviceArena<'a> {
         let mut args = XLA_FFI_DeviceMemory_Allocate_Args {
             struct_size: XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE,
             extension_start: std::ptr::null_mut(),
-            ctx: self.ctx,
+            ctx,
             size: bytes,
             alignment: align,
             data: std::ptr::null_mut(),
         };
         // SAFETY: XLA's function with the call's context and arguments of the declared size.
         let err = unsafe { allocate(&mut args) };
-        self.api.check(err, "device scratch")?;
+        api.check(err, "device scratch")?;
         if args.data.is_null() && bytes > 0 {
             return Err(FfiError::new(
                 XLA_FFI_Error_Code::RESOURCE_EXHAUSTED,
@@ -166,26 +171,28 @@ impl<'a> DeviceArena<'a> {
     }
 }
 
-impl Drop for DeviceArena<'_> {
-    fn drop(&mut self) {
+impl DeviceArena {
+    /// Gives every block back to XLA's allocator, once (`api` and `ctx`: the call's, which has not
+    /// returned to XLA yet).
+    fn release(&mut self, api: Api<'_>, ctx: *mut XLA_FFI_ExecutionContext) {
         let blocks = std::mem::take(self.blocks.get_mut());
         if blocks.is_empty() {
             return;
         }
         // Present: alloc() made blocks only when the table had both functions.
-        let Some(free) = api_field!(self.api, XLA_FFI_DeviceMemory_Free) else { return };
+        let Some(free) = api_field!(api, XLA_FFI_DeviceMemory_Free) else { return };
         for (data, size) in blocks {
             let mut args = XLA_FFI_DeviceMemory_Free_Args {
                 struct_size: XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE,
                 extension_start: std::ptr::null_mut(),
-                ctx: self.ctx,
+                ctx,
                 size,
                 data,
             };
             // SAFETY: XLA's function with the call's context (the call has not returned to XLA
             // yet) and memory its allocator gave this call, given back once.
             let err = unsafe { free(&mut args) };
-            if let Err(e) = self.api.check(err, "device scratch") {
+            if let Err(e) = api.check(err, "device scratch") {
                 eprintln!("dlbridge: giving back a handler's device scratch failed: {e}");
             }
         }
