@@ -811,6 +811,7 @@ pub struct Call<'a> {
 }
 
 impl Drop for Call<'_> {
+    #[inline]
     fn drop(&mut self) {
         // The device scratch goes back to XLA's allocator before the call returns to XLA (a body
         // only ever gets `&mut Call`: the call drops inside `handle`).

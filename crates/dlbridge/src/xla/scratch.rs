@@ -51,6 +51,7 @@ impl Scratch {
 
     /// Gives the device blocks back to XLA (`api` and `ctx`: the call's, the call not yet returned
     /// to XLA); the host blocks are freed when the scratch drops.
+    #[inline]
     pub(super) fn release(&mut self, api: Api<'_>, ctx: *mut XLA_FFI_ExecutionContext) {
         if let Some(a) = self.0.get_mut() {
             a.device.release(api, ctx);
@@ -174,6 +175,7 @@ impl DeviceArena {
 impl DeviceArena {
     /// Gives every block back to XLA's allocator, once (`api` and `ctx`: the call's, which has not
     /// returned to XLA yet).
+    #[inline(never)]
     fn release(&mut self, api: Api<'_>, ctx: *mut XLA_FFI_ExecutionContext) {
         let blocks = std::mem::take(self.blocks.get_mut());
         if blocks.is_empty() {
