@@ -3,6 +3,7 @@
 
 use std::ffi::{CString, c_char};
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::signature::{ArgKind, OpSignature};
@@ -93,8 +94,24 @@ impl From<crate::xla::FfiError> for KernelError {
 // (never in a collection), and boxing it would be the allocation it exists to avoid.
 #[allow(clippy::large_enum_variant)]
 enum Slots {
-    Inline { len: usize, items: [Option<Value>; Slots::INLINE] },
+    /// Only the first `len` slots are ever set (`get_mut` lends no more), so only they are
+    /// dropped (the drop of the whole array looked at all eight).
+    Inline {
+        len: usize,
+        items: ManuallyDrop<[Option<Value>; Slots::INLINE]>,
+    },
     Heap(Vec<Option<Value>>),
+}
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        if let Self::Inline { len, items } = self {
+            // Every slot past `len` is None: nothing there to drop.
+            for v in &mut items[..*len] {
+                drop(v.take());
+            }
+        }
+    }
 }
 
 impl fmt::Debug for Slots {
@@ -110,7 +127,8 @@ impl Slots {
     #[inline(always)]
     fn new(n: usize) -> Self {
         if n <= Self::INLINE {
-            Self::Inline { len: n, items: [const { None }; Self::INLINE] }
+            // Each slot's tag written (a `[None; 8]` constant was copied whole: a memcpy).
+            Self::Inline { len: n, items: ManuallyDrop::new(std::array::from_fn(|_| None)) }
         } else {
             Self::Heap((0..n).map(|_| None).collect())
         }
@@ -265,22 +283,32 @@ pub struct Outputs {
 
 impl Outputs {
     /// Sets output `i` (of the kind the signature declares).
+    #[inline]
     pub fn set(&mut self, i: usize, value: Value) -> Result<(), KernelError> {
-        let Some(&kind) = self.kinds.get(i) else {
-            return Err(KernelError(format!("no output {i}: the op returns {}", self.kinds.len())));
+        let ok = match self.kinds.get(i) {
+            Some(&kind) => matches!(
+                (kind, &value),
+                (ArgKind::Tensor, Value::Tensor(_))
+                    | (ArgKind::Int, Value::Int(_))
+                    | (ArgKind::Float, Value::Float(_))
+                    | (ArgKind::Bool, Value::Bool(_))
+            ),
+            None => false,
         };
-        let ok = matches!(
-            (kind, &value),
-            (ArgKind::Tensor, Value::Tensor(_))
-                | (ArgKind::Int, Value::Int(_))
-                | (ArgKind::Float, Value::Float(_))
-                | (ArgKind::Bool, Value::Bool(_))
-        );
         if !ok {
-            return Err(KernelError(format!("output {i}: a {}, not a {kind:?}", value.kind_name())));
+            return Err(self.refusal(i, &value));
         }
         self.values.get_mut()[i] = Some(value);
         Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refusal(&self, i: usize, value: &Value) -> KernelError {
+        match self.kinds.get(i) {
+            None => KernelError(format!("no output {i}: the op returns {}", self.kinds.len())),
+            Some(kind) => KernelError(format!("output {i}: a {}, not a {kind:?}", value.kind_name())),
+        }
     }
 }
 
@@ -314,12 +342,14 @@ pub unsafe fn run_boxed<F>(
     let run = || -> Result<(), KernelError> {
         // The arguments and outputs are made here and filled in place (each holds up to 8 values
         // inline: moved through returns, they were copied whole, a memcpy a move).
-        let mut args = Args { sig: signature.args(), values: Slots::new(signature.args().len()) };
-        // SAFETY: the caller's contract.
-        unsafe { take_args(torch, stack, num_args, num_outputs, signature, &mut args.values) }?;
         let mut outs = Outputs { kinds: signature.rets(), values: Slots::new(signature.rets().len()) };
-        body(&mut args, &mut outs)?;
-        drop(args);
+        {
+            // (Dropped in place at the block's end: `drop(args)` moved it, a memcpy.)
+            let mut args = Args { sig: signature.args(), values: Slots::new(signature.args().len()) };
+            // SAFETY: the caller's contract.
+            unsafe { take_args(torch, stack, num_args, num_outputs, signature, &mut args.values) }?;
+            body(&mut args, &mut outs)?;
+        }
         // SAFETY: the stack has room for num_outputs == rets.len() entries (checked in take_args).
         unsafe { put_outputs(stack, &mut outs) }
     };
@@ -1188,5 +1218,48 @@ mod unbox_tests {
         let e = unsafe { take_plain_list(&&c, list(vec![1, 2])) }.unwrap_err();
         assert!(e.contains("item 1: refused"), "{e}");
         assert_eq!(c.lists_freed.get(), 1);
+    }
+}
+
+#[cfg(test)]
+mod slots_tests {
+    //! The values a kernel's argument and output slots hold are each dropped exactly once
+    //! (Miri reports a leak or a double free): inline slots drop only their first `len`, the
+    //! only ones ever set.
+
+    use super::{Slots, Value};
+
+    fn filled(n: usize, set: &[usize]) -> Slots {
+        let mut s = Slots::new(n);
+        for &i in set {
+            s.get_mut()[i] = Some(Value::Str(format!("value {i}")));
+        }
+        s
+    }
+
+    #[test]
+    fn inline_slots_drop_what_they_hold() {
+        assert!(matches!(Slots::new(3), Slots::Inline { len: 3, .. }));
+        drop(filled(3, &[0, 2]));
+        drop(filled(8, &[0, 1, 2, 3, 4, 5, 6, 7]));
+        drop(filled(0, &[]));
+    }
+
+    #[test]
+    fn taken_and_replaced_values_drop_once() {
+        let mut s = filled(4, &[1, 3]);
+        let taken = s.get_mut()[1].take();
+        assert!(matches!(taken, Some(Value::Str(ref v)) if v == "value 1"));
+        s.get_mut()[3] = Some(Value::IntList(vec![1, 2, 3]));
+        assert_eq!(s.get().iter().filter(|v| v.is_some()).count(), 1);
+        drop(s);
+        drop(taken);
+    }
+
+    #[test]
+    fn heap_slots_drop_what_they_hold() {
+        let s = filled(Slots::INLINE + 1, &[0, Slots::INLINE]);
+        assert!(matches!(s, Slots::Heap(ref v) if v.len() == Slots::INLINE + 1));
+        drop(s);
     }
 }

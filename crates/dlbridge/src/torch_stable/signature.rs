@@ -75,6 +75,44 @@ pub struct OpSignature {
     args: &'static [(&'static str, ArgKind)],
     rets: &'static [ArgKind],
     defaults: &'static [(&'static str, &'static str)],
+    /// `args` counted by kind, once (a kernel reads them on every call).
+    counts: ArgCounts,
+}
+
+/// How many of an op's arguments are of each kind, as a call frame sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ArgCounts {
+    /// `Tensor` and `Tensor(a!)` arguments.
+    pub(crate) tensors: usize,
+    /// `Tensor(a!)` arguments.
+    pub(crate) mutated: usize,
+    /// `Tensor?` and `Tensor[]` arguments (their operands depend on the call).
+    pub(crate) counted: usize,
+    /// Every other argument, plus one (its count) per `Tensor?` or `Tensor[]` argument.
+    pub(crate) scalars: usize,
+}
+
+impl ArgCounts {
+    const fn of(args: &[(&str, ArgKind)]) -> Self {
+        let mut c = Self { tensors: 0, mutated: 0, counted: 0, scalars: 0 };
+        let mut i = 0;
+        while i < args.len() {
+            match args[i].1 {
+                ArgKind::Tensor => c.tensors += 1,
+                ArgKind::TensorMut => {
+                    c.tensors += 1;
+                    c.mutated += 1;
+                }
+                ArgKind::OptTensor | ArgKind::TensorList => {
+                    c.counted += 1;
+                    c.scalars += 1;
+                }
+                _ => c.scalars += 1,
+            }
+            i += 1;
+        }
+        c
+    }
 }
 
 impl OpSignature {
@@ -84,7 +122,7 @@ impl OpSignature {
         args: &'static [(&'static str, ArgKind)],
         rets: &'static [ArgKind],
     ) -> Self {
-        Self { name, args, rets, defaults: &[] }
+        Self { name, args, rets, defaults: &[], counts: ArgCounts::of(args) }
     }
 
     /// The same op whose scalar arguments named in `defaults` may be left out: (argument name,
@@ -107,12 +145,7 @@ impl OpSignature {
     /// the op they define lives that long).
     pub fn leak(name: &str, args: &[(&str, ArgKind)], rets: &[ArgKind]) -> Self {
         let args: Vec<(&'static str, ArgKind)> = args.iter().map(|&(n, k)| (keep_str(n), k)).collect();
-        Self {
-            name: keep_str(name),
-            args: keep(args.into_boxed_slice()),
-            rets: keep(rets.to_vec().into_boxed_slice()),
-            defaults: &[],
-        }
+        Self::new(keep_str(name), keep(args.into_boxed_slice()), keep(rets.to_vec().into_boxed_slice()))
     }
 
     /// The op's name (without namespace).
@@ -128,6 +161,11 @@ impl OpSignature {
     /// The results.
     pub const fn rets(&self) -> &'static [ArgKind] {
         self.rets
+    }
+
+    /// The arguments counted by kind.
+    pub(crate) const fn arg_counts(&self) -> ArgCounts {
+        self.counts
     }
 
     /// The scalar arguments' defaults (argument name, schema text).

@@ -86,6 +86,11 @@ macro_rules! get {
     }};
 }
 
+#[cold]
+fn negative_extent(d: i64, sizes: &[i64]) -> Error {
+    Error::Invalid(format!("sizes: negative extent {d} in {sizes:?}"))
+}
+
 impl Tensor {
     /// Takes ownership of `handle` (`None` for NULL).
     ///
@@ -270,8 +275,21 @@ impl Torch {
             )));
         }
         if let Some(&d) = sizes.iter().find(|&&d| d < 0) {
-            return Err(Error::Invalid(format!("sizes: negative extent {d} in {sizes:?}")));
+            return Err(negative_extent(d, sizes));
         }
+        self.empty_strided_checked(sizes, strides, dtype, device)
+    }
+
+    /// [`empty_strided`](Self::empty_strided) once its extents are known non-negative and its
+    /// strides as many.
+    fn empty_strided_checked(
+        &'static self,
+        sizes: &[i64],
+        strides: &[i64],
+        dtype: DataType,
+        device: TorchDevice,
+    ) -> Result<Tensor> {
+        debug_assert!(sizes.len() == strides.len() && sizes.iter().all(|&d| d >= 0));
         let f = self.need(self.syms.aoti_torch_empty_strided, "aoti_torch_empty_strided")?;
         let (dtype, device_type) = (self.dtype_code(dtype)?, self.device_code(device.kind)?);
         let mut out: AtenTensorHandle = std::ptr::null_mut();
@@ -304,8 +322,11 @@ impl Torch {
             big.resize(sizes.len(), 0);
             &mut big
         };
+        if let Some(&d) = sizes.iter().find(|&&d| d < 0) {
+            return Err(negative_extent(d, sizes));
+        }
         crate::layout::c_strides_into(sizes, strides);
-        self.empty_strided(sizes, strides, dtype, device)
+        self.empty_strided_checked(sizes, strides, dtype, device)
     }
 
     /// A new uninitialised C-contiguous tensor of `like`'s extents, dtype and device.

@@ -547,7 +547,54 @@ const SMALL_FRAME_ITEMS: usize = 4;
 fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), KernelError> {
     let sig = &op.signature;
     // The frame's operands (a tensor each, an optional one when given, each item of a list),
-    // attributes (each scalar, and the count of each optional or list argument) and results.
+    // attributes (each scalar, and the count of each optional or list argument) and results:
+    // the signature's own counts unless optional or list arguments make them depend on the call.
+    let c = sig.arg_counts();
+    let (operands, scalars, mutated) =
+        if c.counted == 0 { (c.tensors, c.scalars, c.mutated) } else { frame_counts(sig, args)? };
+    if operands > MAX_FRAME_ITEMS {
+        return Err(too_many_items(sig, args, operands));
+    }
+    // One body, four capacities (validate() bounds the signature's counts by MAX_FRAME_ITEMS, and
+    // the body refuses a list past it; the fresh results are at most the signature's results).
+    // An op without attributes (the usual tensor-in, tensor-out op) builds no attribute arrays.
+    const S: usize = SMALL_FRAME_ITEMS;
+    if operands <= 1 && sig.rets().len() + mutated <= 1 && scalars == 0 {
+        // The commonest op of all (one tensor in, one out, or one written in place).
+        return call_handler_in::<1, 0>(op, args, outs);
+    }
+    if operands <= S && sig.rets().len() + mutated <= S {
+        if scalars == 0 {
+            return call_handler_in::<S, 0>(op, args, outs);
+        }
+        if scalars <= S {
+            return call_handler_in::<S, S>(op, args, outs);
+        }
+    }
+    call_handler_in::<MAX_FRAME_ITEMS, MAX_FRAME_ITEMS>(op, args, outs)
+}
+
+/// Only lists make more operands than the signature's tensors (validate()): names them.
+#[cold]
+#[inline(never)]
+fn too_many_items(sig: &OpSignature, args: &Args, operands: usize) -> KernelError {
+    let mut lists = Vec::new();
+    for (i, &(name, kind)) in sig.args().iter().enumerate() {
+        if let (ArgKind::TensorList, Ok(items)) = (kind, args.tensor_list(i)) {
+            lists.push(format!("{name}: a list of {} tensors", items.len()));
+        }
+    }
+    KernelError(format!(
+        "{operands} tensor operands ({}), but the native op's frame holds at most {MAX_FRAME_ITEMS}: \
+         pass fewer items",
+        lists.join(", ")
+    ))
+}
+
+/// The frame's operands, attributes and written arguments for this call of an op with optional
+/// or list arguments.
+#[inline(never)]
+fn frame_counts(sig: &OpSignature, args: &Args) -> Result<(usize, usize, usize), KernelError> {
     let (mut operands, mut scalars, mut mutated) = (0, 0, 0);
     for (i, &(_, kind)) in sig.args().iter().enumerate() {
         match kind {
@@ -560,33 +607,7 @@ fn call_handler(op: &XlaOp, args: &Args, outs: &mut Outputs) -> Result<(), Kerne
             _ => scalars += 1,
         }
     }
-    if operands > MAX_FRAME_ITEMS {
-        // Only lists make more operands than the signature's tensors (validate()): name them.
-        let mut lists = Vec::new();
-        for (i, &(name, kind)) in sig.args().iter().enumerate() {
-            if matches!(kind, ArgKind::TensorList) {
-                lists.push(format!("{name}: a list of {} tensors", args.tensor_list(i)?.len()));
-            }
-        }
-        return Err(KernelError(format!(
-            "{operands} tensor operands ({}), but the native op's frame holds at most {MAX_FRAME_ITEMS}: \
-             pass fewer items",
-            lists.join(", ")
-        )));
-    }
-    // One body, two capacities (validate() bounds the signature's counts by MAX_FRAME_ITEMS, and
-    // the body refuses a list past it; the fresh results are at most the signature's results).
-    // An op without attributes (the usual tensor-in, tensor-out op) builds no attribute arrays.
-    const S: usize = SMALL_FRAME_ITEMS;
-    if operands <= S && sig.rets().len() + mutated <= S {
-        if scalars == 0 {
-            return call_handler_in::<S, 0>(op, args, outs);
-        }
-        if scalars <= S {
-            return call_handler_in::<S, S>(op, args, outs);
-        }
-    }
-    call_handler_in::<MAX_FRAME_ITEMS, MAX_FRAME_ITEMS>(op, args, outs)
+    Ok((operands, scalars, mutated))
 }
 
 /// [`call_handler`] with a frame of `N` operands and results and `A` attributes, on the stack
@@ -608,20 +629,22 @@ fn call_handler_in<const N: usize, const A: usize>(
     let mut aliased = [0usize; N]; // operand index of each Tensor(a!) argument
     let mut plain = [0usize; N]; // operand index of each Tensor or Tensor(a!) argument
     let (mut n_ops, mut n_aliased, mut n_plain) = (0, 0, 0);
-    // The count attribute of each optional or list argument: (name, count).
-    let mut counts: Vec<(String, i64)> = Vec::new();
+    // What only some ops need, made at first use (an op of plain tensors and scalars drops a
+    // `None`, nothing else): the count attribute of each optional or list argument, and the
+    // int32/float32 narrowings of array attributes.
+    let mut extras: Option<Box<Extras>> = None;
     let hooks = super::version_hooks();
     for (i, &(name, kind)) in sig.args().iter().enumerate() {
         let tensors: &[Tensor] = match kind {
             ArgKind::Tensor | ArgKind::TensorMut => std::slice::from_ref(args.tensor(i)?),
             ArgKind::OptTensor => {
                 let t = args.opt_tensor(i)?;
-                counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), i64::from(t.is_some())));
+                push_count(&mut extras, name, usize::from(t.is_some()));
                 t.map_or(&[], std::slice::from_ref)
             }
             ArgKind::TensorList => {
                 let ts = args.tensor_list(i)?;
-                counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), ts.len() as i64));
+                push_count(&mut extras, name, ts.len());
                 ts
             }
             _ => continue,
@@ -632,9 +655,7 @@ fn call_handler_in<const N: usize, const A: usize>(
             }
             let device = t.device_kind()?;
             if device != super::DeviceKind::Cpu {
-                return Err(KernelError(format!(
-                    "{name}: a {device:?} tensor (this kernel runs on the CPU)"
-                )));
+                return Err(not_on_cpu(name, device));
             }
             // A tensor that requires grad in grad mode: only an op without an autograd formula
             // gets here so (a registered formula runs the op with grad mode off), where the
@@ -642,19 +663,10 @@ fn call_handler_in<const N: usize, const A: usize>(
             if let Some(hooks) = hooks {
                 // SAFETY: a live handle of a defined tensor (its device was read above).
                 if unsafe { (hooks.untracked_grad)(t.as_raw()) } {
-                    return Err(KernelError(format!(
-                        "argument '{name}' requires grad in grad mode, but no autograd formula is \
-                         registered for this op, so its gradient would be lost: give the kernel a \
-                         backward, call it under torch.no_grad(), or detach() '{name}'"
-                    )));
+                    return Err(untracked_grad(name));
                 }
             }
-            let operand = if t.is_contiguous()? {
-                Operand::Borrowed(t)
-            } else {
-                let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
-                Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into }
-            };
+            let operand = if t.is_contiguous()? { Operand::Borrowed(t) } else { copied(torch, t, kind, i)? };
             if kind == ArgKind::TensorMut {
                 aliased[n_aliased] = n_ops;
                 n_aliased += 1;
@@ -675,10 +687,7 @@ fn call_handler_in<const N: usize, const A: usize>(
         for (i, &(name, kind)) in sig.args().iter().enumerate() {
             // SAFETY: a live handle of a defined tensor (its device was read above).
             if kind == ArgKind::TensorMut && !unsafe { (hooks.may_write)(args.tensor(i)?.as_raw()) } {
-                return Err(KernelError(format!(
-                    "{name}: an inference tensor cannot be written in place outside inference mode \
-                     (torch refuses it too): write it under torch.inference_mode(), or clone it"
-                )));
+                return Err(inference_write(name));
             }
         }
     }
@@ -708,26 +717,16 @@ fn call_handler_in<const N: usize, const A: usize>(
                 .filter(|(_, k)| matches!(k, ArgKind::Tensor | ArgKind::TensorMut))
                 .count()];
             let t = torch.empty(dims[k], dtypes[k], TorchDevice::CPU)?;
-            ret_bufs[0] = buffer(t.data_ptr()?, dtypes[k], dims[k], "result")?;
+            // The operand's buffer (its XLA dtype and extents, alive through the call) over the
+            // fresh memory.
+            ret_bufs[0] = XLA_FFI_Buffer { data: t.data_ptr()?, ..arg_bufs[k] };
             fresh[0] = Some(t);
             n_fresh = 1;
         }
         Some(OutRule::Fn(_) | OutRule::Dyn(_)) => {
             // The tensor arguments' (not the optional or list ones'), as the Meta kernel sees them.
-            let infos: Vec<TensorInfo> = plain[..n_plain]
-                .iter()
-                .map(|&k| TensorInfo { dtype: dtypes[k], shape: dims[k].to_vec() })
-                .collect();
-            made = output_infos(op, &infos, args)?;
-            for o in &made {
-                if n_fresh == N {
-                    return Err(too_many("results", n_fresh + 1));
-                }
-                let t = torch.empty(&o.shape, o.dtype, TorchDevice::CPU)?;
-                ret_bufs[n_fresh] = buffer(t.data_ptr()?, o.dtype, &o.shape, "result")?;
-                fresh[n_fresh] = Some(t);
-                n_fresh += 1;
-            }
+            made = rule_results(op, args, &plain[..n_plain], &dims, &dtypes)?;
+            n_fresh = fresh_results(torch, &made, &mut fresh, &mut ret_bufs)?;
         }
     }
     if n_fresh + n_aliased > N {
@@ -749,103 +748,106 @@ fn call_handler_in<const N: usize, const A: usize>(
     // int32 and float32 ones are narrowed into these (each inner buffer stays where it is as the
     // outer list grows; nothing is allocated for an op without such an attribute).
     let mut arrays = [NO_ARRAY; A];
-    let mut narrowed_i32: Vec<Vec<i32>> = Vec::new();
-    let mut narrowed_f32: Vec<Vec<f32>> = Vec::new();
     let mut n_attrs = 0;
-    for (i, &(name, kind)) in sig.args().iter().enumerate() {
-        if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList) {
-            continue;
-        }
-        if n_attrs == A {
-            return Err(too_many("scalar arguments", n_attrs + 1));
-        }
-        let ty = op.attrs.iter().find(|(n, _)| *n == name).map(|&(_, t)| t);
-        let ty = ty.ok_or_else(|| KernelError(format!("argument {name} has no attribute type")))?;
-        attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
-        let bytes = bytemuck_u64(&mut words[n_attrs]);
-        scalar_types[n_attrs] = match ty {
-            AttrType::F32 => {
-                bytes[..4].copy_from_slice(&(args.float(i)? as f32).to_ne_bytes());
-                XLA_FFI_DataType::F32
+    // (None for an op without scalar, optional or list arguments: call_handler picks A = 0 only
+    // then, and this instance carries none of the code.)
+    if A > 0 {
+        for (i, &(name, kind)) in sig.args().iter().enumerate() {
+            if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList)
+            {
+                continue;
             }
-            AttrType::F64 => {
-                bytes.copy_from_slice(&args.float(i)?.to_ne_bytes());
-                XLA_FFI_DataType::F64
+            if n_attrs == A {
+                return Err(too_many("scalar arguments", n_attrs + 1));
             }
-            AttrType::I32 => {
-                let v = args.int(i)?;
-                let v = i32::try_from(v)
-                    .map_err(|_| KernelError(format!("{name}: {v} does not fit an int32")))?;
-                bytes[..4].copy_from_slice(&v.to_ne_bytes());
-                XLA_FFI_DataType::S32
-            }
-            AttrType::I64 => {
-                bytes.copy_from_slice(&args.int(i)?.to_ne_bytes());
-                XLA_FFI_DataType::S64
-            }
-            AttrType::Bool => {
-                bytes[0] = args.bool(i)? as u8;
-                XLA_FFI_DataType::PRED
-            }
-            AttrType::Str => {
-                let v = args.str(i)?;
-                string_spans[n_attrs] = XLA_FFI_ByteSpan { ptr: v.as_ptr().cast(), len: v.len() };
-                kinds[n_attrs] = XLA_FFI_AttrType::STRING;
-                XLA_FFI_DataType::INVALID
-            }
-            AttrType::I64s | AttrType::I32s | AttrType::F32s | AttrType::F64s | AttrType::Bools => {
-                // The handler only reads an array attribute (FromAttr lends `&[T]`): the
-                // pointers below are never written through.
-                let (dtype, size, data): (_, usize, *const c_void) = match ty {
-                    AttrType::I64s => {
-                        let v = args.int_list(i)?;
-                        (XLA_FFI_DataType::S64, v.len(), v.as_ptr().cast())
-                    }
-                    AttrType::I32s => {
-                        let v = args.int_list(i)?;
-                        let mut narrowed = Vec::with_capacity(v.len());
-                        for (j, &e) in v.iter().enumerate() {
-                            narrowed.push(i32::try_from(e).map_err(|_| {
-                                KernelError(format!("{name}: element {j}, {e}, does not fit an int32"))
-                            })?);
+            let ty = op.attrs.iter().find(|(n, _)| *n == name).map(|&(_, t)| t);
+            let ty = ty.ok_or_else(|| KernelError(format!("argument {name} has no attribute type")))?;
+            attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
+            let bytes = bytemuck_u64(&mut words[n_attrs]);
+            scalar_types[n_attrs] = match ty {
+                AttrType::F32 => {
+                    bytes[..4].copy_from_slice(&(args.float(i)? as f32).to_ne_bytes());
+                    XLA_FFI_DataType::F32
+                }
+                AttrType::F64 => {
+                    bytes.copy_from_slice(&args.float(i)?.to_ne_bytes());
+                    XLA_FFI_DataType::F64
+                }
+                AttrType::I32 => {
+                    let v = args.int(i)?;
+                    let v = i32::try_from(v)
+                        .map_err(|_| KernelError(format!("{name}: {v} does not fit an int32")))?;
+                    bytes[..4].copy_from_slice(&v.to_ne_bytes());
+                    XLA_FFI_DataType::S32
+                }
+                AttrType::I64 => {
+                    bytes.copy_from_slice(&args.int(i)?.to_ne_bytes());
+                    XLA_FFI_DataType::S64
+                }
+                AttrType::Bool => {
+                    bytes[0] = args.bool(i)? as u8;
+                    XLA_FFI_DataType::PRED
+                }
+                AttrType::Str => {
+                    let v = args.str(i)?;
+                    string_spans[n_attrs] = XLA_FFI_ByteSpan { ptr: v.as_ptr().cast(), len: v.len() };
+                    kinds[n_attrs] = XLA_FFI_AttrType::STRING;
+                    XLA_FFI_DataType::INVALID
+                }
+                AttrType::I64s | AttrType::I32s | AttrType::F32s | AttrType::F64s | AttrType::Bools => {
+                    // The handler only reads an array attribute (FromAttr lends `&[T]`): the
+                    // pointers below are never written through.
+                    let (dtype, size, data): (_, usize, *const c_void) = match ty {
+                        AttrType::I64s => {
+                            let v = args.int_list(i)?;
+                            (XLA_FFI_DataType::S64, v.len(), v.as_ptr().cast())
                         }
-                        let (len, data) = (narrowed.len(), narrowed.as_ptr());
-                        narrowed_i32.push(narrowed);
-                        (XLA_FFI_DataType::S32, len, data.cast())
-                    }
-                    AttrType::F32s => {
-                        let narrowed: Vec<f32> = args.float_list(i)?.iter().map(|&e| e as f32).collect();
-                        let (len, data) = (narrowed.len(), narrowed.as_ptr());
-                        narrowed_f32.push(narrowed);
-                        (XLA_FFI_DataType::F32, len, data.cast())
-                    }
-                    AttrType::F64s => {
-                        let v = args.float_list(i)?;
-                        (XLA_FFI_DataType::F64, v.len(), v.as_ptr().cast())
-                    }
-                    _ => {
-                        // A Rust bool is one byte, 0 or 1: XLA's PRED.
-                        let v = args.bool_list(i)?;
-                        (XLA_FFI_DataType::PRED, v.len(), v.as_ptr().cast())
-                    }
-                };
-                arrays[n_attrs] = XLA_FFI_Array { dtype, size, data: data.cast_mut() };
-                kinds[n_attrs] = XLA_FFI_AttrType::ARRAY;
-                XLA_FFI_DataType::INVALID
-            }
-        };
-        n_attrs += 1;
-    }
-    // The count of each optional or list argument: an int64 attribute `<name>.count`, as
-    // dlbridge.kernels passes it under jax.jit (the handler declares it: xla::Operand).
-    for (name, n) in &counts {
-        if n_attrs == A {
-            return Err(too_many("scalar arguments", n_attrs + 1));
+                        AttrType::I32s => {
+                            let v = args.int_list(i)?;
+                            let mut narrowed = Vec::with_capacity(v.len());
+                            for (j, &e) in v.iter().enumerate() {
+                                narrowed.push(i32::try_from(e).map_err(|_| {
+                                    KernelError(format!("{name}: element {j}, {e}, does not fit an int32"))
+                                })?);
+                            }
+                            let (len, data) = (narrowed.len(), narrowed.as_ptr());
+                            extras.get_or_insert_with(Default::default).narrowed_i32.push(narrowed);
+                            (XLA_FFI_DataType::S32, len, data.cast())
+                        }
+                        AttrType::F32s => {
+                            let narrowed: Vec<f32> = args.float_list(i)?.iter().map(|&e| e as f32).collect();
+                            let (len, data) = (narrowed.len(), narrowed.as_ptr());
+                            extras.get_or_insert_with(Default::default).narrowed_f32.push(narrowed);
+                            (XLA_FFI_DataType::F32, len, data.cast())
+                        }
+                        AttrType::F64s => {
+                            let v = args.float_list(i)?;
+                            (XLA_FFI_DataType::F64, v.len(), v.as_ptr().cast())
+                        }
+                        _ => {
+                            // A Rust bool is one byte, 0 or 1: XLA's PRED.
+                            let v = args.bool_list(i)?;
+                            (XLA_FFI_DataType::PRED, v.len(), v.as_ptr().cast())
+                        }
+                    };
+                    arrays[n_attrs] = XLA_FFI_Array { dtype, size, data: data.cast_mut() };
+                    kinds[n_attrs] = XLA_FFI_AttrType::ARRAY;
+                    XLA_FFI_DataType::INVALID
+                }
+            };
+            n_attrs += 1;
         }
-        attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
-        bytemuck_u64(&mut words[n_attrs]).copy_from_slice(&n.to_ne_bytes());
-        scalar_types[n_attrs] = XLA_FFI_DataType::S64;
-        n_attrs += 1;
+        // The count of each optional or list argument: an int64 attribute `<name>.count`, as
+        // dlbridge.kernels passes it under jax.jit (the handler declares it: xla::Operand).
+        for (name, n) in extras.as_deref().map_or(&[][..], |e| &e.counts[..]) {
+            if n_attrs == A {
+                return Err(too_many("scalar arguments", n_attrs + 1));
+            }
+            attr_names[n_attrs] = XLA_FFI_ByteSpan { ptr: name.as_ptr().cast(), len: name.len() };
+            bytemuck_u64(&mut words[n_attrs]).copy_from_slice(&n.to_ne_bytes());
+            scalar_types[n_attrs] = XLA_FFI_DataType::S64;
+            n_attrs += 1;
+        }
     }
     // Every array is complete and stays where it is until the call returns: pointers into them
     // are taken only now.
@@ -911,13 +913,10 @@ fn call_handler_in<const N: usize, const A: usize>(
     let err = unsafe { (op.handler)(&mut frame) };
     if !err.is_null() {
         // SAFETY: a non-NULL error can only come from this table's error_create.
-        let e = unsafe { Box::from_raw(err.cast::<AdapterError>()) };
-        return Err(KernelError(e.message.to_string_lossy().into_owned()));
+        return Err(unsafe { handler_error(err) });
     }
-    for o in operands[..n_ops].iter().flatten() {
-        if let Operand::Copied { tensor, copy_back_into: Some(i) } = o {
-            args.tensor(*i)?.copy_from(tensor)?;
-        }
+    if operands[..n_ops].iter().flatten().any(|o| matches!(o, Operand::Copied { .. })) {
+        copy_back(args, &operands[..n_ops])?;
     }
     // What torch's ADInplaceOrView kernel would do after the call (a fallthrough for a native op).
     if let Some(hooks) = super::version_hooks() {
@@ -930,10 +929,124 @@ fn call_handler_in<const N: usize, const A: usize>(
             }
         }
     }
-    for (i, t) in fresh.into_iter().take(n_fresh).enumerate() {
-        outs.set(i, Value::Tensor(t.expect("the first n_fresh are set")))?;
+    for (i, t) in fresh[..n_fresh].iter_mut().enumerate() {
+        outs.set(i, Value::Tensor(t.take().expect("the first n_fresh are set")))?;
     }
     Ok(())
+}
+
+/// The count attribute of an optional or list argument (`<name>.count`), kept in `extras`.
+#[inline(never)]
+fn push_count(extras: &mut Option<Box<Extras>>, name: &str, n: usize) {
+    let counts = &mut extras.get_or_insert_with(Default::default).counts;
+    counts.push((format!("{name}{}", crate::xla::COUNT_SUFFIX), n as i64));
+}
+
+#[cold]
+#[inline(never)]
+fn not_on_cpu(name: &str, device: super::DeviceKind) -> KernelError {
+    KernelError(format!("{name}: a {device:?} tensor (this kernel runs on the CPU)"))
+}
+
+#[cold]
+#[inline(never)]
+fn untracked_grad(name: &str) -> KernelError {
+    KernelError(format!(
+        "argument '{name}' requires grad in grad mode, but no autograd formula is registered for \
+         this op, so its gradient would be lost: give the kernel a backward, call it under \
+         torch.no_grad(), or detach() '{name}'"
+    ))
+}
+
+#[cold]
+#[inline(never)]
+fn inference_write(name: &str) -> KernelError {
+    KernelError(format!(
+        "{name}: an inference tensor cannot be written in place outside inference mode (torch \
+         refuses it too): write it under torch.inference_mode(), or clone it"
+    ))
+}
+
+/// The contiguous copy of a non-contiguous tensor argument `i` of kind `kind` (copied back
+/// after the call when the op writes it).
+#[inline(never)]
+fn copied<'a>(
+    torch: &'static Torch,
+    t: &Tensor,
+    kind: ArgKind,
+    i: usize,
+) -> Result<Operand<'a>, KernelError> {
+    let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
+    Ok(Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into })
+}
+
+/// Writes each copied operand of a written argument back into the argument.
+#[inline(never)]
+fn copy_back(args: &Args, operands: &[Option<Operand<'_>>]) -> Result<(), KernelError> {
+    for o in operands.iter().flatten() {
+        if let Operand::Copied { tensor, copy_back_into: Some(i) } = o {
+            args.tensor(*i)?.copy_from(tensor)?;
+        }
+    }
+    Ok(())
+}
+
+/// The results an `Fn` or `Dyn` output rule makes from the tensor arguments (operands `plain`,
+/// in order), as the Meta kernel sees them.
+#[inline(never)]
+fn rule_results(
+    op: &XlaOp,
+    args: &Args,
+    plain: &[usize],
+    dims: &[&[i64]],
+    dtypes: &[DataType],
+) -> Result<Vec<TensorInfo>, KernelError> {
+    let infos: Vec<TensorInfo> =
+        plain.iter().map(|&k| TensorInfo { dtype: dtypes[k], shape: dims[k].to_vec() }).collect();
+    output_infos(op, &infos, args)
+}
+
+/// A fresh tensor and its buffer for each of `made` (whose extents the buffers point into), in
+/// `fresh` and `bufs`; returns how many.
+#[inline(never)]
+fn fresh_results<const N: usize>(
+    torch: &'static Torch,
+    made: &[TensorInfo],
+    fresh: &mut [Option<Tensor>; N],
+    bufs: &mut [XLA_FFI_Buffer; N],
+) -> Result<usize, KernelError> {
+    for (n, o) in made.iter().enumerate() {
+        if n == N {
+            return Err(too_many("results", n + 1));
+        }
+        let t = torch.empty(&o.shape, o.dtype, TorchDevice::CPU)?;
+        bufs[n] = buffer(t.data_ptr()?, o.dtype, &o.shape, "result")?;
+        fresh[n] = Some(t);
+    }
+    Ok(made.len())
+}
+
+/// The handler's error as the kernel's.
+///
+/// # Safety
+///
+/// `err` is a non-NULL error of this module's table (`error_create`), not yet destroyed.
+#[cold]
+#[inline(never)]
+unsafe fn handler_error(err: *mut XLA_FFI_Error) -> KernelError {
+    // SAFETY: the caller's contract: a box this table made, taken once.
+    let e = unsafe { Box::from_raw(err.cast::<AdapterError>()) };
+    KernelError(e.message.to_string_lossy().into_owned())
+}
+
+/// The parts of a frame only some ops need (see `call_handler_in`): each inner narrowed
+/// buffer stays where it is as its list grows, so pointers into it stay valid through the call.
+#[derive(Default)]
+struct Extras {
+    /// `(<name>.count, count)` of each optional or list argument, in order.
+    counts: Vec<(String, i64)>,
+    narrowed_i32: Vec<Vec<i32>>,
+    narrowed_f32: Vec<Vec<f32>>,
 }
 
 fn bytemuck_u64(w: &mut [u64; 1]) -> &mut [u8; 8] {
