@@ -882,3 +882,86 @@ fn optional_and_list_arguments_reach_the_handler_and_every_tensor_is_freed_once(
     // Every counted tensor's storage freed once: no handle leaked by the decoding.
     assert_eq!(freed.load(Ordering::SeqCst), made);
 }
+
+// --- The smallest frame (one operand written in place) and a list past the largest ---
+
+dlbridge::xla_handler! {
+    /// `x = -x` in place: result 0 is operand 0's memory.
+    fn negate_inplace_xla(call, operands: 1, results: 1) {
+        let mut x = call.output::<f32, Rank<2>>(0, "x")?;
+        if call.input_any(0, "x")?.data_ptr().cast::<f32>() != x.as_mut_ptr() {
+            return Err(dlbridge::xla::FfiError::invalid_argument("x: result 0 must alias operand 0"));
+        }
+        for v in x.as_slice_mut()?.iter_mut() {
+            *v = -*v;
+        }
+        Ok(())
+    }
+}
+
+struct NegateInPlace;
+impl NativeOp for NegateInPlace {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new("negate_", &[("x", ArgKind::TensorMut)], &[]),
+        attrs: &[],
+        out: None,
+        handler: negate_inplace_xla,
+    };
+}
+
+#[test]
+fn the_one_operand_frame_writes_a_strided_argument_back_and_reports_the_handlers_error() {
+    let Some(t) = setup() else { return };
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        dlbridge::torch_stable::xla::register::<NegateInPlace>(t, NS).unwrap();
+    });
+    // A non-contiguous view written in place: the handler gets a contiguous copy (its result
+    // aliasing it), copied back into the view; the rest of the base is untouched.
+    let base = t.empty(&[2, 3], DataType::FLOAT32, TorchDevice::CPU).unwrap();
+    // SAFETY: a fresh contiguous float32 CPU tensor of 6 elements, written before any read.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0].as_ptr(),
+            base.data_ptr().unwrap().cast::<f32>(),
+            6,
+        )
+    };
+    let view = narrow(&base, 1, 0, 2);
+    assert!(!view.is_contiguous().unwrap());
+    let args = vec![Value::Tensor(view.new_handle().unwrap())];
+    // SAFETY: the arguments and results have the op's schema types.
+    assert!(unsafe { t.call("dlbridge_test::negate_", "", args, &[]) }.unwrap().is_empty());
+    assert_eq!(f32s(&base), [-1.0, -2.0, 3.0, -4.0, -5.0, 6.0]);
+    // A rank-1 tensor for a rank-2 handler: the handler's own error reaches the caller, nothing
+    // written.
+    let x = filled(t, &[1.0, -2.0]);
+    let args = vec![Value::Tensor(x.new_handle().unwrap())];
+    // SAFETY: as above.
+    let e = unsafe { t.call("dlbridge_test::negate_", "", args, &[]) }.unwrap_err();
+    if t.has("torch_exception_get_what_without_backtrace") {
+        assert!(e.to_string().contains("x: expected writable float32 2-d"), "{e}");
+    }
+    assert_eq!(f32s(&x), [1.0, -2.0]);
+}
+
+#[test]
+fn a_list_past_the_frame_is_refused_naming_it_and_every_tensor_is_freed_once() {
+    let Some(t) = setup() else { return };
+    static FREED: AtomicUsize = AtomicUsize::new(0);
+    {
+        let x = counted(t, &[3], &FREED);
+        let xs: Vec<Tensor> = (0..17).map(|_| counted(t, &[3], &FREED)).collect();
+        let args = vec![
+            Value::Tensor(x.new_handle().unwrap()),
+            Value::TensorList(xs.iter().map(|t| t.new_handle().unwrap()).collect()),
+            Value::OptTensor(None),
+        ];
+        // SAFETY: the arguments and results have the op's schema types.
+        let e = unsafe { t.call("dlbridge_test::sum_plus", "", args, &[ArgKind::Tensor]) }.unwrap_err();
+        if t.has("torch_exception_get_what_without_backtrace") {
+            assert!(e.to_string().contains("18 tensor operands (xs: a list of 17 tensors)"), "{e}");
+        }
+    }
+    assert_eq!(FREED.load(Ordering::SeqCst), 18);
+}
