@@ -142,7 +142,7 @@ def cpp_torch_op(torch) -> None:
 
 
 # How many calls of the empty op one compiled function makes, for the compiled targets.
-CHAIN = 32
+TORCH_CHAIN = 32
 
 
 def torch_native(torch, kernels, D, scale: float, results: dict, targets: list) -> None:
@@ -190,12 +190,12 @@ def torch_native(torch, kernels, D, scale: float, results: dict, targets: list) 
     # the record, in grad mode (where torch.library's Python autograd kernel of the dlbridge op
     # runs on every call: autograd has no stable C API; the C++ op has no autograd kernel).
     # The targets time what the op costs inside a compiled graph: a compiled function calling it
-    # CHAIN times in a row (inductor calls each as an extern kernel). One call per compiled
+    # TORCH_CHAIN times in a row (inductor calls each as an extern kernel). One call per compiled
     # function measures torch.compile's own call (guards, the wrapper: ~13 us here, the same for
     # every op) more than the op: those rows are printed for the record.
     def chained(op):
         def f(x):
-            for _ in range(CHAIN):
+            for _ in range(TORCH_CHAIN):
                 x = op(x)
             return x
         return f
@@ -210,9 +210,9 @@ def torch_native(torch, kernels, D, scale: float, results: dict, targets: list) 
             for f in (fn, fc, fp, gn, gc, gp):
                 f(xc)
             r = interleaved({
-                f"torch.compile, {mode}, {CHAIN} calls: dlbridge native kernel op (16 f32)": lambda: fn(xc),
-                f"torch.compile, {mode}, {CHAIN} calls: C++ STABLE_TORCH_LIBRARY op (16 f32)": lambda: fc(xc),
-                f"torch.compile, {mode}, {CHAIN} calls: the kernel as a Python custom op (16 f32)": lambda: fp(xc),
+                f"torch.compile, {mode}, {TORCH_CHAIN} calls: dlbridge native kernel op (16 f32)": lambda: fn(xc),
+                f"torch.compile, {mode}, {TORCH_CHAIN} calls: C++ STABLE_TORCH_LIBRARY op (16 f32)": lambda: fc(xc),
+                f"torch.compile, {mode}, {TORCH_CHAIN} calls: the kernel as a Python custom op (16 f32)": lambda: fp(xc),
             }, max(1, n // 40))
             r1 = interleaved({
                 f"torch.compile, {mode}, one call: dlbridge native kernel op (16 f32)": lambda: gn(xc),
@@ -224,18 +224,18 @@ def torch_native(torch, kernels, D, scale: float, results: dict, targets: list) 
         compiled[mode] = list(r.values())
         single[mode] = list(r1.values())
     a, b, c = compiled["inference_mode"]
-    targets.append(target(f"empty kernel in torch.compile (inference_mode, {CHAIN} calls in one compiled function): dlbridge native op vs the C++ STABLE_TORCH_LIBRARY op",
+    targets.append(target(f"empty kernel in torch.compile (inference_mode, {TORCH_CHAIN} calls in one compiled function): dlbridge native op vs the C++ STABLE_TORCH_LIBRARY op",
                           a / b, 1.1, a, b, "dlbridge", "C++"))
-    targets.append(target(f"empty kernel in torch.compile (inference_mode, {CHAIN} calls in one compiled function): dlbridge native op vs the kernel as a Python custom op",
+    targets.append(target(f"empty kernel in torch.compile (inference_mode, {TORCH_CHAIN} calls in one compiled function): dlbridge native op vs the kernel as a Python custom op",
                           a / c, 0.6, a, c, "native", "Python op"))
-    print(f"  (torch.compile, inference_mode, {CHAIN} calls: per call native {a / CHAIN * 1e6:.2f} us, "
-          f"C++ {b / CHAIN * 1e6:.2f} us, Python op {c / CHAIN * 1e6:.2f} us; the C++ op / the Python op {b / c:.3f} x: "
+    print(f"  (torch.compile, inference_mode, {TORCH_CHAIN} calls: per call native {a / TORCH_CHAIN * 1e6:.2f} us, "
+          f"C++ {b / TORCH_CHAIN * 1e6:.2f} us, Python op {c / TORCH_CHAIN * 1e6:.2f} us; the C++ op / the Python op {b / c:.3f} x: "
           f"the floor of the 0.6 x target with inductor's Python wrapper, ~1.3 us a call)")
     a, b, c = single["inference_mode"]
     print(f"  (torch.compile, inference_mode, one call per compiled function: native / C++ {a / b:.3f} x, "
           f"native / Python op {a / c:.3f} x; the C++ op / the Python op {b / c:.3f} x: no op gets below that there)")
     a, b, c = compiled["grad mode"]
-    print(f"  (grad mode, compiled, {CHAIN} calls: native / C++ {a / b:.2f} x, native / Python op {a / c:.2f} x; no target)")
+    print(f"  (grad mode, compiled, {TORCH_CHAIN} calls: native / C++ {a / b:.2f} x, native / Python op {a / c:.2f} x; no target)")
 
 
 def interleaved(cases: dict[str, object], number: int, repeats: int = REPEATS) -> dict[str, float]:
