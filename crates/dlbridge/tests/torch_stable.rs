@@ -965,3 +965,121 @@ fn a_list_past_the_frame_is_refused_naming_it_and_every_tensor_is_freed_once() {
     }
     assert_eq!(FREED.load(Ordering::SeqCst), 18);
 }
+
+// --- An in-place op's copy-back is no torch op of its own ---
+
+/// Writes `k` into element `k` (C order) of `x`.
+fn iota<T: dlbridge::Element>(
+    call: &dlbridge::xla::Call<'_>,
+    of: impl Fn(usize) -> T,
+) -> dlbridge::xla::Result<()> {
+    let mut x = call.output::<T, dlbridge::spec::AnyShape>(0, "x")?;
+    x.as_slice_mut()?.iter_mut().enumerate().for_each(|(k, v)| *v = of(k));
+    Ok(())
+}
+
+dlbridge::xla_handler! {
+    /// `x[k] = k` in place (C order), for elements of 1, 2, 4, 8 and 16 bytes, any shape: result
+    /// 0 is operand 0's memory.
+    fn iota_inplace_xla(call, operands: 1, results: 1) {
+        match call.input_any(0, "x")?.dtype() {
+            DataType::UINT8 => iota(call, |k| k as u8),
+            DataType::INT16 => iota(call, |k| k as i16),
+            DataType::FLOAT32 => iota(call, |k| k as f32),
+            DataType::FLOAT64 => iota(call, |k| k as f64),
+            _ => iota(call, |k| num_complex::Complex::new(k as f64, -(k as f64))),
+        }
+    }
+}
+
+struct IotaInPlace;
+impl NativeOp for IotaInPlace {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new("iota_", &[("x", ArgKind::TensorMut)], &[]),
+        attrs: &[],
+        out: None,
+        handler: iota_inplace_xla,
+    };
+}
+
+/// torch's own version counter of `x` (`aten::_version`), which a torch op writing `x` bumps.
+fn torch_version(x: &Tensor) -> i64 {
+    let t = x.torch();
+    let args = vec![Value::Tensor(x.new_handle().unwrap())];
+    // SAFETY: the arguments and results have the op's schema types.
+    match unsafe { t.call("aten::_version", "", args, &[ArgKind::Int]) }.unwrap().as_slice() {
+        [Value::Int(v)] => *v,
+        other => panic!("aten::_version: {other:?}"),
+    }
+}
+
+/// The bytes of a contiguous CPU tensor.
+fn bytes(x: &Tensor) -> Vec<u8> {
+    assert!(x.is_contiguous().unwrap());
+    let dtype = x.dtype().unwrap();
+    let n = x.numel().unwrap() as usize * usize::from(dtype.bits()) / 8;
+    // SAFETY: a contiguous CPU tensor of n bytes, alive while `x` is.
+    unsafe { std::slice::from_raw_parts(x.data_ptr().unwrap().cast::<u8>(), n) }.to_vec()
+}
+
+/// A `[2, 3, 4]` tensor of `dtype`, every byte 0xAB.
+fn patterned(t: &'static Torch, dtype: DataType) -> Tensor {
+    let x = t.empty(&[2, 3, 4], dtype, TorchDevice::CPU).unwrap();
+    let n = 24 * usize::from(dtype.bits()) / 8;
+    // SAFETY: a fresh contiguous CPU tensor of n bytes.
+    unsafe { std::ptr::write_bytes(x.data_ptr().unwrap().cast::<u8>(), 0xAB, n) };
+    x
+}
+
+/// `aten::transpose.int(x, d0, d1)`: a view whose last dimension is not the densest.
+fn transpose(x: &Tensor, d0: i64, d1: i64) -> Tensor {
+    let t = x.torch();
+    let args = vec![Value::Tensor(x.new_handle().unwrap()), Value::Int(d0), Value::Int(d1)];
+    // SAFETY: the arguments and results have the op's schema types.
+    one(unsafe { t.call("aten::transpose", "int", args, &[ArgKind::Tensor]) }.unwrap())
+}
+
+#[test]
+fn a_strided_in_place_argument_is_written_back_in_place_without_a_torch_op_bumping_its_version() {
+    // torch's in-place ops bump a written tensor's version once; the kernel's version hook is
+    // that once. Writing a non-contiguous argument back through `aten::copy_` bumped it again.
+    let Some(t) = setup() else { return };
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        dlbridge::torch_stable::xla::register::<IotaInPlace>(t, NS).unwrap();
+    });
+    let iota = |x: &Tensor| {
+        let args = vec![Value::Tensor(x.new_handle().unwrap())];
+        // SAFETY: the arguments and results have the op's schema types.
+        assert!(unsafe { t.call("dlbridge_test::iota_", "", args, &[]) }.unwrap().is_empty());
+    };
+    let widths =
+        [DataType::UINT8, DataType::INT16, DataType::FLOAT32, DataType::FLOAT64, DataType::COMPLEX128];
+    // [:, :, 1:3] (rows of 2 contiguous elements) and x.transpose(0, 2) (no contiguous row).
+    type ViewOf = fn(&Tensor) -> Tensor;
+    let views: [(&str, ViewOf); 2] =
+        [("narrowed", |b| narrow(b, 2, 1, 2)), ("transposed", |b| transpose(b, 0, 2))];
+    for dtype in widths {
+        for (layout, view_of) in views {
+            let (base, reference) = (patterned(t, dtype), patterned(t, dtype));
+            let view = view_of(&base);
+            assert!(!view.is_contiguous().unwrap());
+            let before = torch_version(&base);
+            iota(&view);
+            // torch's counter untouched: no version hooks from Python in this process (the one
+            // bump is theirs), and no torch op wrote the view.
+            assert_eq!((torch_version(&view), torch_version(&base)), (before, before), "{dtype} {layout}");
+            // What torch's own copy of the handler's values into the same view writes: the view's
+            // elements, in C order, and nothing else.
+            let values = t.empty(&view.sizes().unwrap(), dtype, TorchDevice::CPU).unwrap();
+            iota(&values);
+            let args = vec![Value::Tensor(view_of(&reference)), Value::Tensor(values), Value::Bool(false)];
+            // SAFETY: the arguments and results have the op's schema types.
+            unsafe { t.call("aten::copy_", "", args, &[ArgKind::Tensor]) }.unwrap();
+            assert_eq!(bytes(&base), bytes(&reference), "{dtype} {layout}");
+            // The contiguous base, written where it is: untouched too.
+            iota(&base);
+            assert_eq!(torch_version(&base), before, "{dtype} {layout}");
+        }
+    }
+}

@@ -7,6 +7,7 @@
 //!   version counter through `dlbridge::python::install_torch_version_hooks`): their CPU kernel
 //!   is the XLA FFI handler `jax.jit` would call, run through the adapter; their Meta kernel the
 //!   output rule;
+//! - `increment_(Tensor(a!) x) -> ()` (`x += 1`, float32 or int16, any shape and strides);
 //! - `empty(Tensor x) -> ()`: a kernel that does nothing (the cost of a call), and
 //!   `empty_xla(Tensor x) -> ()`: the same through the XLA adapter;
 //! - `fails(Tensor x, str why) -> Tensor`: a kernel that refuses with `why` (a `RuntimeError`).
@@ -17,7 +18,7 @@
 //! custom op.
 
 use dlbridge::DataType;
-use dlbridge::spec::Rank;
+use dlbridge::spec::{AnyShape, Rank};
 use dlbridge::torch_stable::xla::{AttrType, NativeOp, OutRule, XlaOp};
 use dlbridge::torch_stable::{
     ArgKind, Args, KernelError, NativeKernel, OpSignature, Outputs, Torch, register_kernel,
@@ -82,6 +83,18 @@ dlbridge::xla_handler! {
 }
 
 dlbridge::xla_handler! {
+    /// `x += 1` in place, for float32 or int16 of any shape: result 0 is operand 0's memory.
+    fn increment_inplace_xla(call, operands: 1, results: 1) {
+        match call.input_any(0, "x")?.dtype() {
+            DataType::FLOAT32 => call.output::<f32, AnyShape>(0, "x")?.as_slice_mut()?.iter_mut().for_each(|v| *v += 1.0),
+            DataType::INT16 => call.output::<i16, AnyShape>(0, "x")?.as_slice_mut()?.iter_mut().for_each(|v| *v = v.wrapping_add(1)),
+            other => return Err(FfiError::invalid_argument(format!("x: {other} (float32 or int16)"))),
+        }
+        Ok(())
+    }
+}
+
+dlbridge::xla_handler! {
     /// `empty_like`'s handler: its operand and result decoded, nothing computed.
     fn empty_like_xla(call, operands: 1, results: 1) {
         call.input_any(0, "x")?;
@@ -136,6 +149,16 @@ impl NativeOp for SaxpyInPlace {
     };
 }
 
+struct IncrementInPlace;
+impl NativeOp for IncrementInPlace {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new("increment_", &[("x", ArgKind::TensorMut)], &[]),
+        attrs: &[],
+        out: None,
+        handler: increment_inplace_xla,
+    };
+}
+
 struct EmptyXla;
 impl NativeOp for EmptyXla {
     const OP: XlaOp = XlaOp {
@@ -168,6 +191,7 @@ impl NativeKernel for Fails {
 fn registered(torch: &'static Torch) -> dlbridge::torch_stable::Result<()> {
     dlbridge::torch_stable::xla::register::<Saxpy>(torch, NS)?;
     dlbridge::torch_stable::xla::register::<SaxpyInPlace>(torch, NS)?;
+    dlbridge::torch_stable::xla::register::<IncrementInPlace>(torch, NS)?;
     dlbridge::torch_stable::xla::register::<EmptyXla>(torch, NS)?;
     // The same nothing on the meta device (for fake tensors).
     register_kernel::<Empty>(torch, NS, &["CPU", "Meta"])?;

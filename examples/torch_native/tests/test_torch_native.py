@@ -66,6 +66,62 @@ def test_in_place_bumps_the_version_counter(ops):
     torch.testing.assert_close(z, torch.full((3,), 2.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16], ids=str)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_an_in_place_call_bumps_the_version_once_as_torch_does(ops, dtype, strided):
+    # A non-contiguous written argument is computed on a contiguous copy and written back; the
+    # write-back is no torch op of its own (aten::copy_ bumped the version a second time).
+    def operand():
+        base = torch.arange(24, dtype=dtype).reshape(4, 6)
+        return base, base[:, ::2] if strided else base
+
+    (base, x), (ref_base, ref) = operand(), operand()
+    assert x.is_contiguous() is not strided
+    ops.increment_(x)
+    ref.add_(1)
+    assert (x._version, base._version) == (ref._version, ref_base._version) == (1, 1)
+    torch.testing.assert_close(base, ref_base)
+    with torch.no_grad():
+        ops.increment_(x)
+        ref.add_(1)
+    with torch.inference_mode():  # a normal tensor counts there too
+        ops.increment_(x)
+        ref.add_(1)
+    assert (x._version, base._version) == (ref._version, ref_base._version) == (3, 3)
+    torch.testing.assert_close(base, ref_base)
+    # saxpy_ (float32, two operands, a scalar): the same count.
+    y = torch.zeros(8)[::2] if strided else torch.zeros(4)
+    ops.saxpy_(torch.ones(4), y, 2.0)
+    assert y._version == 1
+    torch.testing.assert_close(y, torch.full((4,), 2.0))
+
+
+def test_a_saved_tensor_the_op_overwrites_fails_backward_as_torch_does(ops):
+    def backward_after(write):
+        w = torch.randn(4, 3, requires_grad=True)
+        v = torch.ones(4, 6)[:, ::2]
+        out = (w * v).sum()  # saves v for w's gradient
+        write(v)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as e:
+            out.backward()
+        return str(e.value)
+
+    ours = backward_after(ops.increment_)
+    assert "is at version 1; expected version 0 instead" in ours, ours
+    assert ours == backward_after(lambda v: v.add_(1))
+
+
+def test_writing_a_tensor_whose_elements_share_memory_is_refused_before_the_handler(ops):
+    y = torch.zeros(1).expand(4)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.zeros(1).expand(4).add_(1)  # torch's own refusal
+    why = r"saxpy_: y: more than one element refers to the same memory \(dimension 0: extent 4, stride 0\)"
+    with pytest.raises(RuntimeError, match=why):
+        ops.saxpy_(torch.ones(4), y, 1.0)
+    assert y._version == 0
+    torch.testing.assert_close(y, torch.zeros(4))
+
+
 def test_errors_are_runtime_errors_naming_the_op(ops):
     with pytest.raises(RuntimeError, match="fails: refused: not today"):
         ops.fails(torch.ones(2), "not today")

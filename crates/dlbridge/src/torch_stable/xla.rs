@@ -666,7 +666,8 @@ fn call_handler_in<const N: usize, const A: usize>(
                     return Err(untracked_grad(name));
                 }
             }
-            let operand = if t.is_contiguous()? { Operand::Borrowed(t) } else { copied(torch, t, kind, i)? };
+            let operand =
+                if t.is_contiguous()? { Operand::Borrowed(t) } else { copied(torch, t, kind, i, name)? };
             if kind == ArgKind::TensorMut {
                 aliased[n_aliased] = n_ops;
                 n_aliased += 1;
@@ -968,27 +969,163 @@ fn inference_write(name: &str) -> KernelError {
 }
 
 /// The contiguous copy of a non-contiguous tensor argument `i` of kind `kind` (copied back
-/// after the call when the op writes it).
+/// after the call when the op writes it). A written argument whose elements share memory (a
+/// stride of 0 over an extent above 1, as `expand` makes) is refused before the handler runs, as
+/// torch refuses writing one in place.
 #[inline(never)]
 fn copied<'a>(
     torch: &'static Torch,
     t: &Tensor,
     kind: ArgKind,
     i: usize,
+    name: &str,
 ) -> Result<Operand<'a>, KernelError> {
     let copy_back_into = (kind == ArgKind::TensorMut).then_some(i);
+    if copy_back_into.is_some() {
+        // SAFETY: read at once, while the caller holds `t` (torch's rule: see sizes_borrowed).
+        let (sizes, strides) = unsafe { (t.sizes_borrowed()?, t.strides_borrowed()?) };
+        if let Some(d) = sizes.iter().zip(strides).position(|(&n, &s)| n > 1 && s == 0) {
+            return Err(KernelError(format!(
+                "{name}: more than one element refers to the same memory (dimension {d}: extent \
+                 {}, stride 0), so it cannot be written in place (torch refuses it too): clone() \
+                 it first",
+                sizes[d]
+            )));
+        }
+    }
     Ok(Operand::Copied { tensor: torch.contiguous(t)?, copy_back_into })
 }
 
-/// Writes each copied operand of a written argument back into the argument.
+/// Writes each copied operand of a written argument back into the argument's memory: a raw
+/// strided copy ([`write_strided`]), not `aten::copy_`, whose dispatcher kernels would bump the
+/// argument's version counter a second time (the kernel bumps it once, as torch's in-place ops
+/// do: the version hooks).
 #[inline(never)]
 fn copy_back(args: &Args, operands: &[Option<Operand<'_>>]) -> Result<(), KernelError> {
     for o in operands.iter().flatten() {
         if let Operand::Copied { tensor, copy_back_into: Some(i) } = o {
-            args.tensor(*i)?.copy_from(tensor)?;
+            write_strided(args.tensor(*i)?, tensor)?;
         }
     }
     Ok(())
+}
+
+/// Copies `src`, the C-contiguous copy [`copied`] made of `dst` (same extents and dtype, its own
+/// memory), into `dst`'s memory through `dst`'s strides, outside torch's dispatcher.
+fn write_strided(dst: &Tensor, src: &Tensor) -> Result<(), KernelError> {
+    // SAFETY: `dst` is a kernel argument held through the call and `src` a copy made here: by
+    // torch's rule nothing changes their metadata meanwhile (see sizes_borrowed).
+    let (sizes, strides, src_sizes) =
+        unsafe { (dst.sizes_borrowed()?, dst.strides_borrowed()?, src.sizes_borrowed()?) };
+    let dtype = dst.dtype()?;
+    let bits = usize::from(dtype.bits()) * usize::from(dtype.lanes());
+    if sizes != src_sizes || dtype != src.dtype()? || bits % 8 != 0 || !src.is_contiguous()? {
+        return Err(KernelError(format!(
+            "copy-back: {sizes:?} {dtype} from {src_sizes:?} {} (expected its contiguous copy)",
+            src.dtype()?
+        )));
+    }
+    if sizes.contains(&0) {
+        return Ok(());
+    }
+    let (d, s) = (dst.data_ptr()?.cast::<u8>(), src.data_ptr()?.cast::<u8>().cast_const());
+    // SAFETY: `d` is `dst`'s first element, and every offset `write_rows` forms is an index
+    // within `sizes` times `strides`, inside `dst`'s storage (torch's invariant of a strided
+    // tensor); `s` is `src`'s `sizes`-product elements of the same width, contiguous, in memory
+    // of its own (a fresh tensor), so the two never overlap. No reference to either memory is
+    // alive: the handler has returned, and the frame's buffers are raw pointers.
+    unsafe {
+        match bits / 8 {
+            1 => write_rows::<u8>(d, s, sizes, strides),
+            2 => write_rows::<u16>(d, s, sizes, strides),
+            4 => write_rows::<u32>(d, s, sizes, strides),
+            8 => write_rows::<u64>(d, s, sizes, strides),
+            w => write_rows_bytes(d, s, sizes, strides, w),
+        }
+    }
+    Ok(())
+}
+
+/// [`write_strided`]'s loop for elements of `T`'s width (read and written unaligned: torch
+/// does not promise the alignment of memory it was given).
+///
+/// # Safety
+///
+/// As in `write_strided`: `d` with `sizes` and `strides` (in elements of `T`'s width) addresses
+/// writable memory, `s` holds the product of `sizes` elements, the two do not overlap, and no
+/// extent is 0.
+unsafe fn write_rows<T: Copy>(d: *mut u8, s: *const u8, sizes: &[i64], strides: &[i64]) {
+    let w = std::mem::size_of::<T>() as isize;
+    let (inner, inner_stride) = match (sizes.last(), strides.last()) {
+        (Some(&n), Some(&st)) => (n as isize, st as isize * w),
+        _ => (1, 0),
+    };
+    let mut s = s;
+    for_each_row(sizes, strides, w, |row| {
+        if inner_stride == w {
+            // SAFETY: a contiguous row of `inner` elements on both sides (the caller's contract).
+            unsafe { std::ptr::copy_nonoverlapping(s, d.offset(row), (inner * w) as usize) };
+        } else {
+            for j in 0..inner {
+                // SAFETY: element j of the row (the caller's contract), unaligned access.
+                unsafe {
+                    let v = s.offset(j * w).cast::<T>().read_unaligned();
+                    d.offset(row + j * inner_stride).cast::<T>().write_unaligned(v);
+                }
+            }
+        }
+        // SAFETY: `inner` elements were read, at most one past the end of `s`.
+        s = unsafe { s.offset(inner * w) };
+    });
+}
+
+/// [`write_rows`] for elements of any other width `w` (16: complex128), byte by byte.
+///
+/// # Safety
+///
+/// As [`write_rows`], with elements `w` bytes wide.
+unsafe fn write_rows_bytes(d: *mut u8, s: *const u8, sizes: &[i64], strides: &[i64], w: usize) {
+    let wi = w as isize;
+    let (inner, inner_stride) = match (sizes.last(), strides.last()) {
+        (Some(&n), Some(&st)) => (n as isize, st as isize * wi),
+        _ => (1, 0),
+    };
+    let mut s = s;
+    for_each_row(sizes, strides, wi, |row| {
+        for j in 0..inner {
+            // SAFETY: element j of the row, `w` bytes on each side (the caller's contract).
+            unsafe { std::ptr::copy_nonoverlapping(s.offset(j * wi), d.offset(row + j * inner_stride), w) };
+        }
+        // SAFETY: as in write_rows.
+        s = unsafe { s.offset(inner * wi) };
+    });
+}
+
+/// Calls `f` with the byte offset of each row (every index of the dimensions but the last, in C
+/// order) of a tensor of `sizes` and `strides` (in elements `w` bytes wide); once for 0-d.
+fn for_each_row(sizes: &[i64], strides: &[i64], w: isize, mut f: impl FnMut(isize)) {
+    let outer = sizes.len().saturating_sub(1);
+    let mut index = [0i64; crate::managed::MAX_NDIM];
+    let mut offset: isize = 0;
+    loop {
+        f(offset);
+        // The next index: the last outer dimension that is not at its end steps on, the ones
+        // after it go back to 0.
+        let mut k = outer;
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            index[k] += 1;
+            offset += strides[k] as isize * w;
+            if index[k] < sizes[k] {
+                break;
+            }
+            offset -= (sizes[k] * strides[k]) as isize * w;
+            index[k] = 0;
+        }
+    }
 }
 
 /// The results an `Fn` or `Dyn` output rule makes from the tensor arguments (operands `plain`,
