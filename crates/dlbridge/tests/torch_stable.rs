@@ -1083,3 +1083,71 @@ fn a_strided_in_place_argument_is_written_back_in_place_without_a_torch_op_bumpi
         }
     }
 }
+
+// --- An op torch could never dispatch ---
+
+dlbridge::xla_handler! {
+    /// Makes nothing of its one attribute (what a no-tensor op's handler would be).
+    fn no_tensor_xla(call, operands: 0, results: 1, attrs: ["n"]) {
+        let _n: i64 = call.attr("n")?;
+        Ok(())
+    }
+}
+
+fn n_floats(
+    _: &[dlbridge::torch_stable::xla::TensorInfo],
+    args: &Args,
+) -> Result<Vec<dlbridge::torch_stable::xla::TensorInfo>, KernelError> {
+    Ok(vec![dlbridge::torch_stable::xla::TensorInfo { dtype: DataType::FLOAT32, shape: vec![args.int(0)?] }])
+}
+
+struct NoTensor;
+impl NativeOp for NoTensor {
+    const OP: XlaOp = XlaOp {
+        signature: OpSignature::new("no_tensor", &[("n", ArgKind::Int)], &[ArgKind::Tensor]),
+        attrs: &[("n", AttrType::I64)],
+        out: Some(OutRule::Fn(n_floats)),
+        handler: no_tensor_xla,
+    };
+}
+
+#[test]
+fn an_op_without_a_tensor_argument_is_refused_at_registration_and_nothing_is_defined() {
+    // torch's dispatcher picks a kernel by the tensor arguments' keys: such an op registered, and
+    // every call failed ("There were no tensor arguments to this function").
+    let Some(t) = setup() else { return };
+    let refused = |e: Error| {
+        assert!(
+            matches!(&e, Error::Invalid(m) if m.starts_with("no_tensor")
+                && m.contains(r#"args [("n", Int)] has no tensor argument"#)),
+            "{e}"
+        );
+        assert!(e.is_unsupported(), "dlbridge.kernels keeps the Python op for it");
+    };
+    refused(NoTensor::OP.validate().unwrap_err());
+    refused(dlbridge::torch_stable::xla::register::<NoTensor>(t, NS).unwrap_err());
+    let op = XlaOp::leak(
+        "no_tensor",
+        &[("n", ArgKind::Int)],
+        &[ArgKind::Tensor],
+        &[("n", AttrType::I64)],
+        Some(OutRule::Fn(n_floats)),
+        no_tensor_xla,
+    );
+    refused(dlbridge::torch_stable::xla::register_op(t, NS, op).unwrap_err());
+    // Nothing was defined: the name is still free, and no call reaches a kernel.
+    // SAFETY: the arguments and results have the (would-be) op's schema types.
+    let e = unsafe { t.call("dlbridge_test::no_tensor", "", vec![Value::Int(3)], &[ArgKind::Tensor]) }
+        .unwrap_err();
+    if t.has("torch_exception_get_what_without_backtrace") {
+        assert!(e.to_string().contains("Could not find schema for dlbridge_test::no_tensor"), "{e}");
+    }
+    // An op whose only tensors are optional or listed is dispatched by them when given: kept.
+    let listed = XlaOp {
+        signature: OpSignature::new("listed_only", &[("xs", ArgKind::TensorList)], &[]),
+        attrs: &[],
+        out: None,
+        handler: no_tensor_xla,
+    };
+    listed.validate().unwrap();
+}

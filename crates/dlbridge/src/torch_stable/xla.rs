@@ -170,11 +170,22 @@ impl XlaOp {
         }
     }
 
-    /// Checks that the parts agree: every scalar argument has its attribute type (of the same
-    /// schema kind), every result is a tensor the rule makes, and `Like` names a tensor argument.
+    /// Checks that the parts agree: the op has a tensor argument (torch's dispatcher picks a
+    /// kernel by its tensors: with none, every call fails), every scalar argument has its
+    /// attribute type (of the same schema kind), every result is a tensor the rule makes, and
+    /// `Like` names a tensor argument.
     pub fn validate(&self) -> Result<()> {
         let sig = &self.signature;
         let bad = |m: String| Err(Error::Invalid(format!("{}: {m}", sig.name())));
+        if !sig.args().iter().any(|(_, k)| {
+            matches!(k, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList)
+        }) {
+            return bad(format!(
+                "args {:?} has no tensor argument: torch's dispatcher picks an op's kernel by its \
+                 tensor arguments, so every call of it would fail (give it a Tensor argument)",
+                sig.args()
+            ));
+        }
         for &(name, kind) in sig.args() {
             if matches!(kind, ArgKind::Tensor | ArgKind::TensorMut | ArgKind::OptTensor | ArgKind::TensorList)
             {
