@@ -122,6 +122,22 @@ def test_writing_a_tensor_whose_elements_share_memory_is_refused_before_the_hand
     torch.testing.assert_close(y, torch.zeros(4))
 
 
+def test_a_written_strided_argument_of_more_than_64_dimensions_is_refused_and_64_are_written(ops):
+    # torch allows 70 dimensions; dlbridge reads at most 64 (the strided write-back walks that
+    # many), so such an argument is refused before the handler runs (nothing written, no version
+    # bump), with the reason.
+    x = torch.zeros([1] * 69 + [4])[..., ::2]
+    assert x.dim() == 70 and not x.is_contiguous()
+    with pytest.raises(RuntimeError, match=r"increment_: aoti_torch_get_sizes: 70 dimensions \(at most 64\)"):
+        ops.increment_(x)
+    assert x._version == 0
+    assert bool((x.reshape(-1) == 0).all())  # (torch's own assert_close takes at most 64 dimensions)
+    y = torch.zeros([1] * 63 + [4])[..., ::2]
+    ops.increment_(y)
+    torch.testing.assert_close(y, torch.ones_like(y))
+    assert y._version == 1
+
+
 def test_errors_are_runtime_errors_naming_the_op(ops):
     with pytest.raises(RuntimeError, match="fails: refused: not today"):
         ops.fails(torch.ones(2), "not today")
