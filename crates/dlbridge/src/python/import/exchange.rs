@@ -242,13 +242,31 @@ impl TorchState {
     /// instructions each; the getter, a Python attribute call, cost a view about 50 ns); for other
     /// types the getter is asked, only while grad mode is on. Call it before the table's
     /// description: the getter may run Python (a subclass, a torch function mode).
+    ///
+    /// The commonest case, a tensor that does not require grad (its bit read through ATen), is
+    /// decided inline; everything else out of line.
+    #[inline]
     pub(crate) fn refuse_untracked_read(&self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = obj.py();
-        let bits = super::torch_bits::aten_bits(py);
+        let bits = super::torch_bits::aten_bits(obj.py());
         // The tensor's own bit first (a field read through ATen): most tensors do not require
         // grad, and then grad mode (a thread-local lookup in libc10) need not be asked.
         let aten_requires_grad = bits.and_then(|b| b.requires_grad(obj));
-        if aten_requires_grad == Some(false) || bits.and_then(|b| b.grad_enabled()) == Some(false) {
+        if aten_requires_grad == Some(false) {
+            return Ok(());
+        }
+        self.refuse_untracked_read_rest(obj, bits, aten_requires_grad)
+    }
+
+    /// [`TorchState::refuse_untracked_read`] past a tensor ATen says does not require grad.
+    #[inline(never)]
+    fn refuse_untracked_read_rest(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        bits: Option<&'static super::torch_bits::AtenBits>,
+        aten_requires_grad: Option<bool>,
+    ) -> PyResult<()> {
+        let py = obj.py();
+        if bits.and_then(|b| b.grad_enabled()) == Some(false) {
             return Ok(());
         }
         let requires_grad = match aten_requires_grad {

@@ -31,4 +31,4 @@ pub(in crate::python) use protocols::{not_an_array, read_view};
 pub(in crate::python) use torch_bits::aten_bits;
 #[cfg(all(feature = "torch-stable", unix))]
 pub(in crate::python) use torch_bits::install_native_version_hooks;
-pub(in crate::python) use torch_bits::{Bump, Kept, aten_bits_found};
+pub(in crate::python) use torch_bits::{Bump, Kept, SpareKeeper, aten_bits_found};

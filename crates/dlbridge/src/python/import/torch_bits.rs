@@ -394,22 +394,30 @@ impl AtenBits {
     /// of that memory was taken. `Ok(None)`: nothing to keep (no memory); `Err`: the memory
     /// cannot be kept (the view must be refused), with the reason; `None` from the outer option:
     /// not verified here (not a torch tensor, or an unverified torch).
-    pub(crate) fn keep_memory(&self, obj: &Bound<'_, PyAny>) -> Option<Result<Option<Kept>, &'static str>> {
+    ///
+    /// A keeper's allocation is taken from `spare` when it holds one (the caller's block of views:
+    /// a view costs no allocation in steady state).
+    pub(crate) fn keep_memory(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        spare: &mut SpareKeeper,
+    ) -> Option<Result<Option<Kept>, &'static str>> {
         let k = self.keep.as_ref()?;
         let t = self.variable_of(obj)?;
         // SAFETY: `t` is the live tensor's `at::Tensor` (a defined one), the GIL held.
-        Some(unsafe { k.keep(t) })
+        Some(unsafe { k.keep(t, spare) })
     }
 
     /// Gives back what [`AtenBits::keep_memory`] kept for `obj`: where `obj`'s storage still holds
-    /// the keeper and nothing else shares it, the storage gets its own `DataPtr` back.
-    pub(crate) fn release_memory(&self, obj: &Bound<'_, PyAny>, kept: Kept) {
+    /// the keeper and nothing else shares it, the storage gets its own `DataPtr` back (and the
+    /// keeper's allocation goes to `spare`, for the next view).
+    pub(crate) fn release_memory(&self, obj: &Bound<'_, PyAny>, kept: Kept, spare: &mut SpareKeeper) {
         let dp = match (self.keep.as_ref(), self.variable_of(obj)) {
             // SAFETY: as in `keep_memory`.
             (Some(k), Some(t)) => unsafe { k.data_ptr_of(t) },
             _ => None,
         };
-        kept.release(dp);
+        kept.release(dp, spare);
     }
 
     /// Bumps `obj`'s version counter, as torch's in-place operations do (see [`Bump`]).
@@ -1042,7 +1050,7 @@ impl Keep {
     /// # Safety
     ///
     /// As for [`Keep::data_ptr_of`].
-    unsafe fn keep(&self, t: *const c_void) -> Result<Option<Kept>, &'static str> {
+    unsafe fn keep(&self, t: *const c_void, spare: &mut SpareKeeper) -> Result<Option<Kept>, &'static str> {
         // SAFETY: the caller's promise.
         let Some(dp) = (unsafe { self.data_ptr_of(t) }) else { return Err("the tensor has no storage") };
         // SAFETY: the live storage's `DataPtr`, read and written with the GIL held (torch changes
@@ -1061,7 +1069,7 @@ impl Keep {
             if deleter == self.cow {
                 return Err("the tensor's storage is copy-on-write (a lazy clone); pass a .clone()");
             }
-            let held = Box::into_raw(new_held(Held {
+            let held = Box::into_raw(spare.fill(Held {
                 holders: std::sync::atomic::AtomicUsize::new(2),
                 deleter: (*dp).deleter,
                 context: (*dp).context,
@@ -1076,7 +1084,7 @@ impl Keep {
 impl Kept {
     /// Gives the hold back; `dp` is the `DataPtr` of the viewed tensor's storage now (if any).
     /// Called with the GIL held (the last holder may run a deleter that takes it).
-    fn release(self, dp: Option<*mut DataPtrWords>) {
+    fn release(self, dp: Option<*mut DataPtrWords>, spare: &mut SpareKeeper) {
         let held = self.0.as_ptr();
         std::mem::forget(self);
         if let Some(dp) = dp {
@@ -1090,7 +1098,7 @@ impl Kept {
                     let held = Box::from_raw(held);
                     (*dp).deleter = held.deleter;
                     (*dp).context = held.context;
-                    keep_spare(held);
+                    spare.0 = Some(held);
                     return;
                 }
             }
@@ -1100,27 +1108,21 @@ impl Kept {
     }
 }
 
-thread_local! {
-    /// One keeper's allocation kept for the next view of this thread (a view costs no
-    /// allocation in steady state).
-    static SPARE: std::cell::Cell<Option<Box<Held>>> = const { std::cell::Cell::new(None) };
-}
+/// One keeper's allocation kept for the next view, in the block of the view that gave it back
+/// (no thread-local lookup: a view's block is at hand where it keeps and releases memory).
+#[derive(Default)]
+pub(crate) struct SpareKeeper(Option<Box<Held>>);
 
-/// `held` in a new allocation, or in this thread's spare one.
-fn new_held(held: Held) -> Box<Held> {
-    match SPARE.take() {
-        Some(mut b) => {
-            *b = held;
-            b
+impl SpareKeeper {
+    /// `held` in the spare allocation, or in a new one.
+    fn fill(&mut self, held: Held) -> Box<Held> {
+        match self.0.take() {
+            Some(mut b) => {
+                *b = held;
+                b
+            }
+            None => Box::new(held),
         }
-        None => Box::new(held),
-    }
-}
-
-/// Keeps a keeper's allocation no longer used for this thread's next view.
-fn keep_spare(b: Box<Held>) {
-    if let Some(other) = SPARE.replace(Some(b)) {
-        drop(other);
     }
 }
 
@@ -1197,27 +1199,28 @@ fn find_keep(
     // runs its deleter (the probe's memory is freed once the hold is given back too).
     let (t0, s0) = (tensors[0], storages[0]);
     let before = (word(s0 + data_ptr + 8), word(s0 + data_ptr + 16));
+    let mut spare = SpareKeeper::default();
     // SAFETY: a live probe tensor, the GIL held.
-    let Ok(Some(kept)) = (unsafe { keep.keep(t0) }) else { return Ok(None) };
+    let Ok(Some(kept)) = (unsafe { keep.keep(t0, &mut spare) }) else { return Ok(None) };
     // SAFETY: as above.
-    let Ok(Some(second)) = (unsafe { keep.keep(t0) }) else { return Ok(None) };
+    let Ok(Some(second)) = (unsafe { keep.keep(t0, &mut spare) }) else { return Ok(None) };
     // SAFETY: as above.
     let dp = unsafe { keep.data_ptr_of(t0) };
-    second.release(dp);
-    kept.release(dp);
+    second.release(dp, &mut spare);
+    kept.release(dp, &mut spare);
     if (word(s0 + data_ptr + 8), word(s0 + data_ptr + 16)) != before {
         return Ok(None);
     }
     py.run(c"f = torch.zeros(5)\nfd = f.data_ptr()\n", Some(&globals), None)?;
     let Some(tf) = bits.tensor_of(&item("f")?) else { return Ok(None) };
     // SAFETY: a live probe tensor, the GIL held.
-    let Ok(Some(kept)) = (unsafe { keep.keep(tf) }) else { return Ok(None) };
+    let Ok(Some(kept)) = (unsafe { keep.keep(tf, &mut spare) }) else { return Ok(None) };
     let held = kept.0.as_ptr();
     py.run(c"f.set_(torch.zeros(0))\nfd2 = f.data_ptr()\n", Some(&globals), None)?;
     // SAFETY: the keeper is alive (`kept` holds it).
     let freed_by_torch = unsafe { (*held).holders.load(Ordering::Acquire) } == 1;
     // SAFETY: as above.
     let dp = unsafe { keep.data_ptr_of(tf) };
-    kept.release(dp);
+    kept.release(dp, &mut spare);
     Ok(freed_by_torch.then_some(keep))
 }

@@ -44,6 +44,8 @@ struct Borrow {
     /// kernel runs (`x.set_()`, `x.resize_()`, `x.share_memory_()`), the memory stays valid while
     /// the view lives.
     kept: Option<crate::python::import::Kept>,
+    /// A keeper's allocation for `kept`, kept with the block for its next view.
+    spare: crate::python::import::SpareKeeper,
 }
 
 thread_local! {
@@ -445,7 +447,7 @@ impl<'a> TensorView<'a> {
                         // No Python has run since the description: the storage kept is the one it
                         // describes.
                         match crate::python::import::aten_bits_found(obj.py())
-                            .and_then(|a| a.keep_memory(obj))
+                            .and_then(|a| a.keep_memory(obj, &mut b.spare))
                         {
                             Some(Ok(kept)) => b.kept = kept,
                             Some(Err(why)) => {
@@ -538,7 +540,7 @@ fn release_kept(b: &mut Borrow, source: NonNull<ffi::PyObject>) {
         (py, Borrowed::from_ptr(py, source.as_ptr()))
     };
     match crate::python::import::aten_bits_found(py) {
-        Some(bits) => bits.release_memory(&obj, kept),
+        Some(bits) => bits.release_memory(&obj, kept, &mut b.spare),
         None => drop(kept),
     }
 }
@@ -584,6 +586,7 @@ fn blank() -> Box<Borrow> {
         buffer: None,
         torch: None,
         kept: None,
+        spare: Default::default(),
     })
 }
 
