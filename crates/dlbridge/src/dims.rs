@@ -27,13 +27,26 @@ impl Dims {
     pub(crate) fn set(&mut self, shape: &[i64], strides: &[i64]) {
         debug_assert_eq!(shape.len(), strides.len());
         let n = shape.len();
-        let (s, t) = self.resize(n);
+        if n > INLINE || self.heap.capacity() != 0 {
+            return self.set_spilled(shape, strides);
+        }
+        self.ndim = n;
         // One loop writing both (a view's tensor has few dimensions: two `memcpy` calls cost more
         // than the copy).
+        let (s, t) = self.inline.split_at_mut(n);
         for ((s, t), (&a, &b)) in s.iter_mut().zip(t.iter_mut()).zip(shape.iter().zip(strides)) {
             *s = a;
             *t = b;
         }
+    }
+
+    /// [`Dims::set`] with more than [`INLINE`] dimensions, or a heap allocation to give back.
+    #[cold]
+    #[inline(never)]
+    fn set_spilled(&mut self, shape: &[i64], strides: &[i64]) {
+        let (s, t) = self.resize(shape.len());
+        s.copy_from_slice(shape);
+        t.copy_from_slice(strides);
     }
 
     /// Makes room for `ndim` dimensions and returns (shape, strides) to fill. Pointers taken

@@ -521,7 +521,10 @@ impl Drop for TensorView<'_> {
         // import's export is released here), then the hold on the memory, then the block.
         b.managed = None;
         release_kept(&mut b, self.source);
-        recycle(b);
+        // `managed` and `kept` are empty now.
+        b.buffer = None;
+        b.torch = None;
+        pool(b);
     }
 }
 
@@ -551,6 +554,12 @@ fn recycle(mut b: Box<Borrow>) {
     b.buffer = None;
     b.torch = None;
     b.kept = None;
+    pool(b);
+}
+
+/// Keeps an emptied block for the next view (up to 8 spare blocks a thread).
+#[inline]
+fn pool(b: Box<Borrow>) {
     POOL.with_borrow_mut(|p| {
         if p.len() < 8 {
             p.push(b);
