@@ -1002,6 +1002,14 @@ impl NativeOp for IotaInPlace {
     };
 }
 
+/// Registers `dlbridge_test::iota_` once for every test that calls it.
+fn register_iota(t: &'static Torch) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        dlbridge::torch_stable::xla::register::<IotaInPlace>(t, NS).unwrap();
+    });
+}
+
 /// torch's own version counter of `x` (`aten::_version`), which a torch op writing `x` bumps.
 fn torch_version(x: &Tensor) -> i64 {
     let t = x.torch();
@@ -1044,10 +1052,7 @@ fn a_strided_in_place_argument_is_written_back_in_place_without_a_torch_op_bumpi
     // torch's in-place ops bump a written tensor's version once; the kernel's version hook is
     // that once. Writing a non-contiguous argument back through `aten::copy_` bumped it again.
     let Some(t) = setup() else { return };
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        dlbridge::torch_stable::xla::register::<IotaInPlace>(t, NS).unwrap();
-    });
+    register_iota(t);
     let iota = |x: &Tensor| {
         let args = vec![Value::Tensor(x.new_handle().unwrap())];
         // SAFETY: the arguments and results have the op's schema types.
@@ -1080,6 +1085,63 @@ fn a_strided_in_place_argument_is_written_back_in_place_without_a_torch_op_bumpi
             // The contiguous base, written where it is: untouched too.
             iota(&base);
             assert_eq!(torch_version(&base), before, "{dtype} {layout}");
+        }
+    }
+}
+
+/// `dtype`'s elements in C order, read through torch (`aten::contiguous`'s copy).
+fn values(t: &'static Torch, x: &Tensor) -> Vec<u8> {
+    bytes(&t.contiguous(x).unwrap())
+}
+
+#[test]
+fn a_written_argument_with_a_huge_stride_on_an_extent_of_one_is_written_back_as_torch_copies() {
+    // torch lets a dimension of extent 1 have any stride (as_strided, empty_strided: it is never
+    // applied). The strided copy-back multiplied each stride by the element width and stepped
+    // through it, an overflow for 2^62: a build with overflow checks failed the call after the
+    // handler had run ("attempt to multiply with overflow"), one without relied on wrapping.
+    let Some(t) = setup() else { return };
+    register_iota(t);
+    let iota = |x: &Tensor| {
+        let args = vec![Value::Tensor(x.new_handle().unwrap())];
+        // SAFETY: the arguments and results have the op's schema types.
+        unsafe { t.call("dlbridge_test::iota_", "", args, &[]) }.map(|r| assert!(r.is_empty()))
+    };
+    let widths =
+        [DataType::UINT8, DataType::INT16, DataType::FLOAT32, DataType::FLOAT64, DataType::COMPLEX128];
+    // An outer dimension of extent 1 with the huge stride, and the last one (no contiguous row).
+    let huge = 1i64 << 62;
+    let layouts: [(&[i64], &[i64]); 2] = [(&[2, 1, 3], &[6, huge, 2]), (&[3, 2, 1], &[1, 3, huge])];
+    for dtype in widths {
+        for (sizes, strides) in layouts {
+            let w = usize::from(dtype.bits()) / 8;
+            // The storage the extents reach: (extent - 1) * stride + 1 elements.
+            let n = sizes.iter().zip(strides).map(|(&e, &s)| (e - 1) * s).sum::<i64>() as usize + 1;
+            let make = || {
+                let x = t.empty_strided(sizes, strides, dtype, TorchDevice::CPU).unwrap();
+                // SAFETY: a fresh CPU tensor whose storage holds the n elements its extents reach.
+                unsafe { std::ptr::write_bytes(x.data_ptr().unwrap().cast::<u8>(), 0xAB, n * w) };
+                x
+            };
+            let (x, reference) = (make(), make());
+            assert!(!x.is_contiguous().unwrap());
+            iota(&x).unwrap_or_else(|e| panic!("{dtype} {sizes:?} {strides:?}: {e}"));
+            let expected = t.empty(sizes, dtype, TorchDevice::CPU).unwrap();
+            iota(&expected).unwrap();
+            let args = vec![
+                Value::Tensor(reference.new_handle().unwrap()),
+                Value::Tensor(expected),
+                Value::Bool(false),
+            ];
+            // SAFETY: the arguments and results have the op's schema types.
+            unsafe { t.call("aten::copy_", "", args, &[ArgKind::Tensor]) }.unwrap();
+            assert_eq!(values(t, &x), values(t, &reference), "{dtype} {sizes:?} {strides:?}");
+            // Every byte of the storage, the ones between the view's elements included.
+            // SAFETY: both storages hold n elements (made above), alive while x and reference are.
+            let storage = |x: &Tensor| unsafe {
+                std::slice::from_raw_parts(x.data_ptr().unwrap().cast::<u8>(), n * w).to_vec()
+            };
+            assert_eq!(storage(&x), storage(&reference), "{dtype} {sizes:?} {strides:?}");
         }
     }
 }

@@ -138,6 +138,25 @@ def test_a_written_strided_argument_of_more_than_64_dimensions_is_refused_and_64
     assert y._version == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16], ids=str)
+def test_a_written_argument_with_a_huge_stride_on_an_extent_of_one_is_written_as_torch_does(ops, dtype):
+    # torch lets a dimension of extent 1 have any stride: it is never applied. The strided
+    # write-back stepped through it (2^62 times the element width overflowed): the call failed
+    # after the handler had run ("attempt to multiply with overflow") where x.add_ succeeds.
+    def operand(sizes, strides):
+        base = torch.zeros(2, 8, dtype=dtype)
+        return base, base.as_strided(sizes, strides)
+
+    huge = 1 << 62
+    for sizes, strides in [((2, 1, 4), (8, huge, 2)), ((4, 2, 1), (2, 8, huge))]:
+        (base, x), (ref_base, ref) = operand(sizes, strides), operand(sizes, strides)
+        assert not x.is_contiguous()
+        ops.increment_(x)
+        ref.add_(1)
+        torch.testing.assert_close(base, ref_base)
+        assert x._version == ref._version == 1
+
+
 def test_errors_are_runtime_errors_naming_the_op(ops):
     with pytest.raises(RuntimeError, match="fails: refused: not today"):
         ops.fails(torch.ones(2), "not today")

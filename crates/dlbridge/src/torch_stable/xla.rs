@@ -1067,10 +1067,7 @@ fn write_strided(dst: &Tensor, src: &Tensor) -> Result<(), KernelError> {
 /// extent is 0.
 unsafe fn write_rows<T: Copy>(d: *mut u8, s: *const u8, sizes: &[i64], strides: &[i64]) {
     let w = std::mem::size_of::<T>() as isize;
-    let (inner, inner_stride) = match (sizes.last(), strides.last()) {
-        (Some(&n), Some(&st)) => (n as isize, st as isize * w),
-        _ => (1, 0),
-    };
+    let (inner, inner_stride) = last_row(sizes, strides, w);
     let mut s = s;
     for_each_row(sizes, strides, w, |row| {
         if inner_stride == w {
@@ -1097,10 +1094,7 @@ unsafe fn write_rows<T: Copy>(d: *mut u8, s: *const u8, sizes: &[i64], strides: 
 /// As [`write_rows`], with elements `w` bytes wide.
 unsafe fn write_rows_bytes(d: *mut u8, s: *const u8, sizes: &[i64], strides: &[i64], w: usize) {
     let wi = w as isize;
-    let (inner, inner_stride) = match (sizes.last(), strides.last()) {
-        (Some(&n), Some(&st)) => (n as isize, st as isize * wi),
-        _ => (1, 0),
-    };
+    let (inner, inner_stride) = last_row(sizes, strides, wi);
     let mut s = s;
     for_each_row(sizes, strides, wi, |row| {
         for j in 0..inner {
@@ -1112,8 +1106,20 @@ unsafe fn write_rows_bytes(d: *mut u8, s: *const u8, sizes: &[i64], strides: &[i
     });
 }
 
+/// The extent of a row (the last dimension; 1 for 0-d) and its stride in bytes, for elements `w`
+/// bytes wide. A stride of an extent of 1 is never applied, and torch lets it be anything (2^62
+/// times the width overflows): such a row is taken as contiguous.
+fn last_row(sizes: &[i64], strides: &[i64], w: isize) -> (isize, isize) {
+    match (sizes.last(), strides.last()) {
+        (Some(&n), Some(&st)) if n > 1 => (n as isize, st as isize * w),
+        _ => (1, w),
+    }
+}
+
 /// Calls `f` with the byte offset of each row (every index of the dimensions but the last, in C
-/// order) of a tensor of `sizes` and `strides` (in elements `w` bytes wide); once for 0-d.
+/// order) of a tensor of `sizes` and `strides` (in elements `w` bytes wide); once for 0-d. No
+/// offset is formed that the tensor's elements do not reach: a dimension of extent 1, whose
+/// stride torch lets be anything, never steps.
 fn for_each_row(sizes: &[i64], strides: &[i64], w: isize, mut f: impl FnMut(isize)) {
     let outer = sizes.len().saturating_sub(1);
     let mut index = [0i64; crate::managed::MAX_NDIM];
@@ -1128,12 +1134,13 @@ fn for_each_row(sizes: &[i64], strides: &[i64], w: isize, mut f: impl FnMut(isiz
                 return;
             }
             k -= 1;
-            index[k] += 1;
-            offset += strides[k] as isize * w;
-            if index[k] < sizes[k] {
+            if index[k] + 1 < sizes[k] {
+                index[k] += 1;
+                offset += strides[k] as isize * w;
                 break;
             }
-            offset -= (sizes[k] * strides[k]) as isize * w;
+            // At its end (extent - 1): back to 0, which an extent of 1 never left.
+            offset -= index[k] as isize * strides[k] as isize * w;
             index[k] = 0;
         }
     }
