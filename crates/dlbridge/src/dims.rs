@@ -25,9 +25,9 @@ impl Dims {
     /// are stale afterwards.
     #[inline(always)]
     pub(crate) fn set(&mut self, shape: &[i64], strides: &[i64]) {
-        debug_assert_eq!(shape.len(), strides.len());
         let n = shape.len();
-        if n > INLINE || self.heap.capacity() != 0 {
+        // (Unequal lengths go the general way, which refuses them as it always did: a panic.)
+        if n > INLINE || strides.len() != n || self.heap.capacity() != 0 {
             return self.set_spilled(shape, strides);
         }
         self.ndim = n;
@@ -146,5 +146,16 @@ mod tests {
         d.set(&[1; 12], &[2; 12]);
         d.set(&[3], &[4]);
         assert_eq!((d.shape(), d.strides()), (&[3i64][..], &[4i64][..]));
+        // Inline again after spilling, and a spill after inline values: each reads back whole.
+        d.set(&[5, 6], &[7, 8]);
+        assert_eq!((d.shape(), d.strides()), (&[5i64, 6][..], &[7i64, 8][..]));
+        d.set(&[9; 10], &[1; 10]);
+        assert_eq!((d.shape(), d.strides()), (&[9i64; 10][..], &[1i64; 10][..]));
+    }
+
+    #[test]
+    #[should_panic]
+    fn unequal_lengths_are_refused_not_truncated() {
+        Dims::new().set(&[1, 2], &[1]);
     }
 }
